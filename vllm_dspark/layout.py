@@ -1,0 +1,191 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The on-disk layout of a K3 DSpark drafter checkpoint.
+
+One place says which modules a checkpoint holds, under which HF key names, with which shapes,
+which of them may be quantized and which must be fused at runtime. The reference drafter, the
+quantizer, the checker and the vLLM model class all read it, so they cannot disagree.
+
+Key names are those of the published ``Inferact/Kimi-K3-DSpark`` checkpoint (68 tensors for the
+real config: 12 per layer x 5, plus context_proj, context_norm, final_norm, the two Markov
+weights, the confidence head's weight and bias, and the shared ``embed_tokens``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from vllm_dspark.config import K3DSparkConfig
+
+Role = Literal["linear", "norm", "embedding"]
+
+# Modules inside every ``layers.{i}`` block, in checkpoint order.
+LAYER_KINDS: tuple[str, ...] = (
+    "input_layernorm",
+    "self_attn.q_a_proj",
+    "self_attn.q_a_layernorm",
+    "self_attn.q_b_proj",
+    "self_attn.kv_a_proj_with_mqa",
+    "self_attn.kv_a_layernorm",
+    "self_attn.kv_b_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+# Modules outside the layers. ``embed_tokens`` is the target's embedding, shipped in the drafter
+# checkpoint for convenience; the served model shares the target's instead of loading it.
+GLOBAL_KINDS: tuple[str, ...] = (
+    "embed_tokens",
+    "context_proj",
+    "context_norm",
+    "final_norm",
+    "markov_head.markov_w1",
+    "markov_head.markov_w2",
+    "confidence_head.proj",
+)
+
+# Linear modules that a weight-only format can hold. Everything else (norms, embeddings, the
+# Markov head that runs once per drafted position, the fp32 confidence head) stays BF16.
+QUANTIZABLE_KINDS: tuple[str, ...] = (
+    "context_proj",
+    "self_attn.q_a_proj",
+    "self_attn.q_b_proj",
+    "self_attn.kv_a_proj_with_mqa",
+    "self_attn.kv_b_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+# vLLM fuses these checkpoint modules into one runtime layer, so each group must share one
+# quantization decision (and, for NVFP4, one global scale).
+FUSED_GROUPS: dict[str, tuple[str, ...]] = {
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "self_attn.fused_qkv_a_proj": ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
+}
+
+# The modules quantized in the published FP8 build (its --include_layers).
+FP8_RECIPE: tuple[str, ...] = (
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "self_attn.o_proj",
+    "self_attn.q_b_proj",
+    "context_proj",
+)
+
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One checkpoint module: ``name`` is the HF prefix of its tensors (``layers.0.mlp.up_proj``)."""
+
+    name: str
+    kind: str
+    role: Role
+    shape: tuple[int, ...]  # weight shape: (out, in) for linears, (n,) for norms, (rows, dim) for embeddings
+    bias: bool = False
+
+    @property
+    def layer(self) -> int | None:
+        m = _LAYER_RE.match(self.name)
+        return int(m.group(1)) if m else None
+
+    @property
+    def quantizable(self) -> bool:
+        return self.kind in QUANTIZABLE_KINDS
+
+
+def module_kind(name: str) -> str:
+    """Index-agnostic kind of a module name: ``layers.3.mlp.up_proj`` -> ``mlp.up_proj``.
+
+    Also accepts vLLM runtime names (``model.layers.96.mlp.up_proj``, ``model.context_proj``).
+    """
+    if name.startswith("model."):
+        name = name[len("model.") :]
+    m = _LAYER_RE.match(name)
+    return m.group(2) if m else name
+
+
+def kind_regex(kind: str) -> str:
+    """A compressed-tensors ``re:`` pattern matching ``kind`` at any layer index and any prefix.
+
+    Index-agnostic on purpose: vLLM renumbers draft layers after the target's (93-97 for K3), so
+    names such as ``layers.0.mlp.up_proj`` would never match at runtime.
+    """
+    escaped = re.escape(kind)
+    if kind in LAYER_KINDS:
+        return rf"re:.*layers\.\d+\.{escaped}$"
+    return rf"re:(.*\.)?{escaped}$"
+
+
+def checkpoint_modules(config: "K3DSparkConfig") -> list[ModuleSpec]:
+    """Every module with weights that a checkpoint for ``config`` holds, in checkpoint order."""
+    c = config
+    h = c.hidden_size
+    heads = c.num_attention_heads
+    latent = c.kv_lora_rank + c.qk_rope_head_dim
+    per_layer: dict[str, tuple[Role, tuple[int, ...]]] = {
+        "input_layernorm": ("norm", (h,)),
+        "self_attn.q_a_proj": ("linear", (c.q_lora_rank, h)),
+        "self_attn.q_a_layernorm": ("norm", (c.q_lora_rank,)),
+        "self_attn.q_b_proj": ("linear", (heads * (c.qk_nope_head_dim + c.qk_rope_head_dim), c.q_lora_rank)),
+        "self_attn.kv_a_proj_with_mqa": ("linear", (latent, h)),
+        "self_attn.kv_a_layernorm": ("norm", (c.kv_lora_rank,)),
+        "self_attn.kv_b_proj": ("linear", (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)),
+        "self_attn.o_proj": ("linear", (h, heads * c.v_head_dim)),
+        "post_attention_layernorm": ("norm", (h,)),
+        "mlp.gate_proj": ("linear", (c.intermediate_size, h)),
+        "mlp.up_proj": ("linear", (c.intermediate_size, h)),
+        "mlp.down_proj": ("linear", (h, c.intermediate_size)),
+    }
+    assert tuple(per_layer) == LAYER_KINDS
+    confidence_in = h + (c.markov_rank if c.confidence_head_with_markov else 0)
+    globals_: dict[str, tuple[Role, tuple[int, ...], bool]] = {
+        "embed_tokens": ("embedding", (c.vocab_size, h), False),
+        "context_proj": ("linear", (h, c.target_hidden_size * c.num_target_layers), False),
+        "context_norm": ("norm", (h,), False),
+        "final_norm": ("norm", (h,), False),
+        "markov_head.markov_w1": ("embedding", (c.vocab_size, c.markov_rank), False),
+        "markov_head.markov_w2": ("linear", (c.draft_vocab_size, c.markov_rank), False),
+        "confidence_head.proj": ("linear", (1, confidence_in), True),
+    }
+    assert tuple(globals_) == GLOBAL_KINDS
+    specs = [ModuleSpec(k, k, *globals_[k]) for k in ("embed_tokens", "context_proj", "context_norm")]
+    for i in range(c.num_hidden_layers):
+        specs += [ModuleSpec(f"layers.{i}.{k}", k, role, shape) for k, (role, shape) in per_layer.items()]
+    tail = ["final_norm", "markov_head.markov_w1", "markov_head.markov_w2"]
+    if c.enable_confidence_head:
+        tail.append("confidence_head.proj")
+    specs += [ModuleSpec(k, k, *globals_[k]) for k in tail]
+    return specs
+
+
+def tensor_shapes(config: "K3DSparkConfig") -> dict[str, tuple[int, ...]]:
+    """``{key: shape}`` of the unquantized (BF16) checkpoint for ``config``."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for spec in checkpoint_modules(config):
+        shapes[f"{spec.name}.weight"] = spec.shape
+        if spec.bias:
+            shapes[f"{spec.name}.bias"] = (spec.shape[0],)
+    return shapes
+
+
+def validate_fused_decision(quantized_kinds: set[str]) -> None:
+    """Raise ``ValueError`` if a fused group would get two different quantization decisions."""
+    for fused, members in FUSED_GROUPS.items():
+        chosen = [m for m in members if m in quantized_kinds]
+        if chosen and len(chosen) != len(members):
+            missing = [m for m in members if m not in quantized_kinds]
+            raise ValueError(
+                f"{' and '.join(members)} are fused into {fused} at runtime and must be quantized together: "
+                f"{', '.join(chosen)} is quantized but {', '.join(missing)} is not. "
+                f"Include both or neither."
+            )
