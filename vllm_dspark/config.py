@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import DeepseekV3Config
 
 # The latent the Kimi-K3 target stores per token in its MLA KV pages: kv_lora_rank 512 + rope 64.
@@ -47,7 +48,12 @@ class K3DSparkConfig(DeepseekV3Config):
         kwargs["rope_parameters"] = _normalise_rope(kwargs.get("rope_parameters"), rope_theta)
         for key in ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor"):
             kwargs.setdefault(key, False)
-        super().__init__(**kwargs)
+        try:
+            super().__init__(**kwargs)
+        except StrictDataclassError as e:
+            # transformers' strict dataclass validation: re-raise as the ValueError callers expect,
+            # keeping its message, which names the field and the type it wanted.
+            raise ValueError(f"K3DSparkConfig: {e}. Fix: correct that field in config.json.") from None
         self.rope_theta = float(self.rope_parameters["rope_theta"])
         if getattr(self, "draft_vocab_size", None) is None:
             self.draft_vocab_size = self.vocab_size
