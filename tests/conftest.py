@@ -53,3 +53,18 @@ def tiny_mla_target(tmp_path_factory: pytest.TempPathFactory):
     config.architectures = ["DeepseekV3ForCausalLM"]
     config.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_target(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Llama with real safetensors weights (head_dim 32: the CPU attention minimum)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=512, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
