@@ -8,6 +8,7 @@ in the same run, or an achieved bandwidth next to a memory-copy bandwidth measur
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -16,7 +17,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).parent / "results"
+# Smoke tests point this elsewhere so that a tiny-preset run never overwrites committed results.
+RESULTS_DIR = Path(os.environ.get("VLLM_DSPARK_BENCH_RESULTS", Path(__file__).parent / "results"))
 
 
 def best_time(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> float:
@@ -67,8 +69,9 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def write_result(name: str, payload: dict[str, Any], table: str, out_dir: Path = RESULTS_DIR) -> Path:
+def write_result(name: str, payload: dict[str, Any], table: str, out_dir: Path | None = None) -> Path:
     """Write ``<name>.json`` (payload + environment) and ``<name>.md`` (the table); print the table."""
+    out_dir = RESULTS_DIR if out_dir is None else out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "environment": environment(), **payload}
     path = out_dir / f"{name}.json"
