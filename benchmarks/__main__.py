@@ -20,9 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         width = max(map(len, BENCHMARKS))
-        print("usage: python -m benchmarks {all," + ",".join(BENCHMARKS) + "} [ARGS]\n")
+        print("usage: python -m benchmarks {all,readme," + ",".join(BENCHMARKS) + "} [ARGS]\n")
         print("\n".join(f"  {k:<{width}}  {h}" for k, (_, h) in BENCHMARKS.items()))
+        print(f"  {'readme':<{width}}  regenerate README.md's benchmark section from benchmarks/results/")
         return 0
+    if argv[0] == "readme":
+        from benchmarks.readme import main as readme_main
+
+        return readme_main(argv[1:])
     names = list(BENCHMARKS) if argv[0] == "all" else [argv[0]]
     for name in names:
         if name not in BENCHMARKS:
