@@ -38,7 +38,8 @@ def test_register_is_idempotent_cheap_and_logs_once() -> None:
     # A fresh interpreter: vLLM's own plugin loader, twice, must log the override exactly once,
     # import neither the model module nor CUDA.
     code = """
-import sys, torch
+import logging, sys, torch
+logging.basicConfig(level=logging.INFO)  # a bare interpreter: vLLM configures logging only when it builds an engine
 from vllm.plugins import load_general_plugins
 import vllm_dspark
 load_general_plugins(); vllm_dspark.register(); vllm_dspark.register()
