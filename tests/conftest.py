@@ -68,3 +68,12 @@ def tiny_llama_target(tmp_path_factory: pytest.TempPathFactory):
                          bos_token_id=1, eos_token_id=2, pad_token_id=3)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """A random ``tiny``-preset drafter written by ``vllm-dspark make-random --seed 0``: config.json,
+    shard + index, and the target's embedding / lm_head in ``target/``. Shared: copy it before editing."""
+    from vllm_dspark.make_random import make_random
+
+    return make_random(tmp_path_factory.mktemp("tiny_checkpoint"), "tiny", seed=0, progress=False)

@@ -41,6 +41,7 @@ def check_vllm_version(version: str) -> None:
 def register() -> None:
     """Register the K3 DSpark drafter with vLLM (the ``vllm.general_plugins`` entry point)."""
     global _registered
+    __import__("vllm_dspark.doctor").doctor.install_speculative_config_hook()  # on every call: see its docstring
     if _registered:
         return
     import vllm

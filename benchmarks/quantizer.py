@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Quantizer throughput and peak RSS, next to a plain safetensors copy of the same checkpoint.
+
+Both steps run in the same benchmark run, each in its own subprocess so that each peak RSS is its
+own: the copy loads every shard with ``safetensors.torch.load_file`` and writes it back with
+``save_file``; the quantizer is ``vllm-dspark quantize`` (``quantize_checkpoint``). Throughput is
+GB of input tensors per wall second (the copy moves the same input, so the ratio is the cost of
+quantizing, SNR measurement included). Then ``vllm-dspark check`` verifies the output.
+
+The ``k3`` preset (6.6 GiB of BF16 input, random weights at the real shapes) needs ~15 GiB of free
+disk and should run under ``flock /tmp/k3.lock`` on shared machines:
+
+    flock /tmp/k3.lock python -m benchmarks.quantizer --preset k3 [--model /tmp/k3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import format_table, write_result
+from vllm_dspark.presets import PRESETS
+
+
+def _copy(model_dir: Path, out_dir: Path) -> None:
+    """The baseline: a plain safetensors round trip of every shard, plus the small files."""
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True)
+    for path in sorted(model_dir.iterdir()):
+        if path.suffix == ".safetensors":
+            save_file(load_file(path), out_dir / path.name, metadata={"format": "pt"})
+        elif path.is_file():
+            shutil.copy2(path, out_dir / path.name)
+
+
+def _quantize(model_dir: Path, out_dir: Path, fmt: str, workers: int) -> None:
+    from vllm_dspark.quantize import quantize_checkpoint
+
+    quantize_checkpoint(model_dir, out_dir, fmt, workers=workers, progress=False)
+
+
+def _step(name: str, *args: str) -> dict[str, float]:
+    """Run one step in a fresh interpreter; its wall seconds (imports excluded) and peak RSS."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.quantizer", "--step", name, *args],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _run_step(argv: list[str]) -> None:
+    name, model_dir, out_dir, *rest = argv
+    start = time.perf_counter()
+    if name == "copy":
+        _copy(Path(model_dir), Path(out_dir))
+    else:
+        _quantize(Path(model_dir), Path(out_dir), rest[0], int(rest[1]))
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    print(json.dumps({"seconds": seconds, "peak_rss_bytes": peak}))
+
+
+def run(preset: str = "k3", fmt: str = "fp8", workers: int = 1, *, model_dir: str | Path | None = None,
+        work_dir: str | Path | None = None) -> dict[str, Any]:
+    """Measure copy and quantize on ``model_dir`` (default: a fresh make-random ``preset`` checkpoint)."""
+    from vllm_dspark.check import check_checkpoint, stored_tensors
+    from vllm_dspark.make_random import make_random
+
+    with tempfile.TemporaryDirectory(prefix="bench-quantizer-", dir=work_dir) as tmp:
+        tmp = Path(tmp)
+        if model_dir is None:
+            model_dir = make_random(tmp / "drafter", preset, progress=False)
+        model_dir = Path(model_dir)
+        stored = stored_tensors(model_dir)
+        input_bytes = sum(t.nbytes for t in stored.values())
+        copy = _step("copy", str(model_dir), str(tmp / "copy"))
+        shutil.rmtree(tmp / "copy")
+        quantize = _step("quantize", str(model_dir), str(tmp / "quantized"), fmt, str(workers))
+        report = json.loads((tmp / "quantized" / "quantization_report.json").read_text())
+        check = check_checkpoint(tmp / "quantized")
+    for step in (copy, quantize):
+        step["input_gb_per_s"] = input_bytes / step["seconds"] / 1e9
+    return {
+        "preset": preset,
+        "format": fmt,
+        "workers": workers,
+        "input_bytes": input_bytes,
+        "largest_tensor_bytes": max(t.nbytes for t in stored.values()),
+        "copy": copy,
+        "quantize": quantize,
+        "quantize_vs_copy_seconds": quantize["seconds"] / copy["seconds"],
+        "quantization": report["overall"],
+        "check": {"ok": check.ok, "problems": check.problems, "config_groups": check.config_groups,
+                  "quantized_modules": len(check.quantized_modules), "ignored_modules": len(check.ignored_modules)},
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = [
+        {"step": "safetensors copy (load_file + save_file)", "seconds": result["copy"]["seconds"],
+         "input GB/s": result["copy"]["input_gb_per_s"], "peak RSS GiB": result["copy"]["peak_rss_bytes"] / 2**30,
+         "time vs copy": 1.0},
+        {"step": f"vllm-dspark quantize {result['format']} (--workers {result['workers']})",
+         "seconds": result["quantize"]["seconds"], "input GB/s": result["quantize"]["input_gb_per_s"],
+         "peak RSS GiB": result["quantize"]["peak_rss_bytes"] / 2**30, "time vs copy": result["quantize_vs_copy_seconds"]},
+    ]
+    q, c = result["quantization"], result["check"]
+    return "\n".join([
+        format_table(rows, ["step", "seconds", "input GB/s", "peak RSS GiB", "time vs copy"]),
+        "",
+        f"`{result['preset']}` preset: {q['params_quantized'] / 1e9:.3f} B of {q['params_total'] / 1e9:.3f} B params "
+        f"quantized, {q['gib_before']:.2f} GiB -> {q['gib_after']:.2f} GiB, weight SNR mean {q['snr_db_mean']:.1f} dB "
+        f"(min {q['snr_db_min']:.1f}); largest tensor {result['largest_tensor_bytes'] / 2**30:.2f} GiB; "
+        f"check: {'OK' if c['ok'] else 'PROBLEMS'}, {c['config_groups']} config group, "
+        f"{c['quantized_modules']} quantized and {c['ignored_modules']} ignored modules.",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--step"]:  # one measured step, in its own process (see _step)
+        _run_step(argv[1:])
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quantizer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=list(PRESETS), default="k3")
+    parser.add_argument("--format", choices=("fp8", "mxfp4", "nvfp4"), default="fp8")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="an existing BF16 checkpoint of --preset (default: make-random writes one)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="scratch directory (default: the system temp dir)")
+    args = parser.parse_args(argv)
+    result = run(args.preset, args.format, args.workers, model_dir=args.model, work_dir=args.work_dir)
+    write_result("quantizer", result, table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Latency of one drafted block of the reference drafter on this CPU, FP32 and BF16 compute.
+
+One block = ``ReferenceDrafter.draft`` for one request: the context path (context_proj, every
+layer's KV latents), the 7-token block through all layers, lm_head, the sequential Markov rollout
+(W2 read once per position) and the confidence head. At batch 1 this is a stream of the weights, so
+the figure that matters is achieved bandwidth: bytes of weights read per block / time, next to a
+memory-copy bandwidth measured in the same run.
+
+Weights are stored BF16 in both runs (the checkpoint's dtype; FP32 compute upcasts them per use),
+so ``weight_bytes`` is the same for both. Run the ``k3`` preset (about 9 GiB resident) under
+``flock /tmp/k3.lock`` on shared machines:
+
+    python -m benchmarks.reference_latency --preset k3 [--model /tmp/k3] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import best_time, format_table, memcpy_bandwidth, write_result
+from vllm_dspark.config import K3DSparkConfig
+from vllm_dspark.draft import example_inputs
+from vllm_dspark.presets import PRESETS, preset_config
+from vllm_dspark.reference import ReferenceDrafter
+
+
+def weight_bytes_per_block(drafter: ReferenceDrafter) -> dict[str, int]:
+    """Bytes of weights one block reads, by component, in the drafter's storage dtypes."""
+    c = drafter.config
+    n = c.block_size
+
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    layers = sum(size(p) for p in drafter.layers.parameters())
+    # The context path reads every layer's kv_a_proj_with_mqa once more (vLLM's context_kv_proj).
+    context = size(drafter.context_proj.weight) + size(drafter.context_norm.weight) + sum(
+        size(layer.self_attn.kv_a_proj_with_mqa.weight) + size(layer.self_attn.kv_a_layernorm.weight)
+        for layer in drafter.layers)
+    w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight
+    heads = size(drafter.lm_head.weight) + size(drafter.final_norm.weight)
+    heads += sum(size(p) for p in drafter.confidence_head.parameters()) if drafter.confidence_head is not None else 0
+    return {
+        "layers": layers,
+        "context": context,
+        "lm_head_and_norms": heads,
+        "markov_w2_per_position": n * size(w2),  # one GEMV per drafted position
+        "gathered_rows": n * (size(drafter.embed_tokens.weight[0]) + size(w1[0])),
+    }
+
+
+def _drafters(config: K3DSparkConfig, model_dir: Path | None, seed: int) -> dict[str, ReferenceDrafter]:
+    """FP32- and BF16-compute drafters sharing one set of BF16 weights."""
+    if model_dir is not None:
+        from vllm_dspark.checkpoint import load_drafter_state_dict, load_target_heads
+
+        config, tensors = load_drafter_state_dict(model_dir, dtype=torch.bfloat16)
+        embed, lm_head = load_target_heads(model_dir / "target", dtype=torch.bfloat16)
+    else:
+        from vllm_dspark.make_random import random_drafter_tensors, random_lm_head
+
+        tensors = dict(random_drafter_tensors(config, seed=seed))
+        embed, lm_head = tensors["embed_tokens.weight"], random_lm_head(config, seed=seed)
+    tensors.pop("embed_tokens.weight", None)
+    return {name: ReferenceDrafter.from_state_dict(config, tensors, embed_tokens=embed, lm_head=lm_head,
+                                                   compute_dtype=dtype)
+            for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+
+
+def run(preset: str, repeats: int, *, model_dir: str | Path | None = None, context_len: int = 64,
+        seed: int = 0) -> dict[str, Any]:
+    """Time one block at ``preset`` (weights from ``model_dir`` if given, else random) in FP32 and BF16."""
+    config = preset_config(preset)
+    drafters = _drafters(config, Path(model_dir) if model_dir is not None else None, seed)
+    inputs = example_inputs(config, batch=1, context_len=context_len, seed=seed)
+    components = weight_bytes_per_block(drafters["fp32"])
+    weight_bytes = sum(components.values())
+    memcpy_gbps = memcpy_bandwidth()
+    results = []
+    for name, drafter in drafters.items():
+        seconds = best_time(lambda d=drafter: d.draft(inputs["aux_hidden_states"], inputs["context_positions"],
+                                                      inputs["anchor_ids"]), repeats=repeats, warmup=1)
+        gbps = weight_bytes / seconds / 1e9
+        results.append({"compute": name, "seconds": seconds, "ms_per_token": seconds * 1e3 / config.block_size,
+                        "weight_GBps": gbps, "fraction_of_memcpy": gbps / memcpy_gbps})
+    return {
+        "preset": preset,
+        "block_size": config.block_size,
+        "context_len": context_len,
+        "batch": 1,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "weight_storage_dtype": "bfloat16",
+        "weight_bytes_per_block": weight_bytes,
+        "weight_bytes_by_component": components,
+        "memcpy_GBps": memcpy_gbps,
+        "results": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.reference_latency", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=list(PRESETS), default="k3")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--context-len", type=int, default=64, help="context tokens before the block (default 64)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a drafter directory (e.g. from make-random, with target/) instead of fresh random weights")
+    args = parser.parse_args(argv)
+    payload = run(args.preset, args.repeats, model_dir=args.model, context_len=args.context_len)
+    rows = [{"preset": payload["preset"], "weights_GB": payload["weight_bytes_per_block"] / 1e9,
+             "memcpy_GBps": payload["memcpy_GBps"], **r} for r in payload["results"]]
+    table = format_table(rows, ["preset", "compute", "seconds", "ms_per_token", "weights_GB", "weight_GBps",
+                                "memcpy_GBps", "fraction_of_memcpy"])
+    write_result("reference_latency", payload, table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

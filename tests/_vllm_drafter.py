@@ -1,0 +1,274 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Build ``K3DSparkForCausalLM`` on CPU the way vLLM's ``dspark`` speculator does, and drive its hooks.
+
+Shared by ``test_model.py`` and ``test_model_quant.py``. The path is vLLM's own:
+``EngineArgs(... speculative_config={"method": "dspark"}).create_engine_config()`` builds the real
+``VllmConfig``, and ``vllm.v1.worker.gpu.spec_decode.dspark.utils.load_dspark_model`` (what
+``DSparkSpeculator.load_draft_model`` calls) builds the draft ``VllmConfig``, gets the draft's quant
+config, runs ``get_model`` (``initialize_model`` -> ``load_weights`` -> per-layer post-processing ->
+``process_weights_after_loading``) and aliases the target's embedding and lm_head.
+
+Two things stand in for what a CPU machine lacks, and nothing else:
+
+- ``VllmConfig._validate_v1_model_runner`` is skipped while configs are built (by ``EngineArgs`` and
+  by ``load_dspark_model``'s ``replace``): ``dspark`` runs only in the V2 GPU model runner, and the
+  V1 runner check would refuse the config although no runner is ever made here.
+- The plugin's serve-time ``doctor`` hook is off (``VLLM_DSPARK_DOCTOR=0``): the model must refuse
+  an unservable drafter on its own.
+- The target model is a stub holding only what the drafter shares with it (``model.embed_tokens``
+  and ``lm_head``, vLLM's own layers, loaded from the checkpoint's ``target/model.safetensors``).
+
+The draft attention is :class:`vllm_dspark.attention.TorchLatentAttention` here, the CPU stand-in for
+vLLM's Kimi-K3 ``MultiHeadLatentAttention`` (fused CUDA kernels); the tests bind paged latent caches
+to it and pass metadata through vLLM's forward context, where the GPU layer finds its own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+TARGET_HEADS = "target/model.safetensors"
+
+
+def _ensure_cpu_runtime() -> None:
+    """One-process TP=1 distributed state and the accelerator no-ops vLLM's CPU model runner installs."""
+    from vllm.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
+    from vllm.utils.network_utils import get_open_port
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    _set_torch_accelerator_to_noop()
+    if not model_parallel_is_initialized():
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}")
+        initialize_model_parallel(1, 1)
+
+
+def engine_config(target_dir: Path, draft_dir: Path, *, dtype: str = "float32", **speculative: Any):
+    """The real ``VllmConfig`` of serving ``target_dir`` with ``draft_dir`` as its dspark drafter.
+
+    Call it with the V1-runner check skipped (:func:`load_drafter` does).
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(target_dir), skip_tokenizer_init=True, dtype=dtype, max_model_len=256,
+                      enforce_eager=True,
+                      speculative_config={"method": "dspark", "model": str(draft_dir), **speculative})
+    return args.create_engine_config()
+
+
+class _Inner(nn.Module):
+    pass
+
+
+class TargetStub(nn.Module):
+    """The parts of the target the drafter shares, as vLLM's own layers: ``model.embed_tokens``, ``lm_head``."""
+
+    def __init__(self, heads_file: Path, dtype: torch.dtype) -> None:
+        super().__init__()
+        from safetensors.torch import load_file
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        from vllm_dspark.checkpoint import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY
+
+        heads = load_file(heads_file)
+        vocab, hidden = heads[TARGET_EMBED_KEY].shape
+        self.model = _Inner()
+        self.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, params_dtype=dtype)
+        self.lm_head = ParallelLMHead(vocab, hidden, params_dtype=dtype)
+        for layer, key in ((self.model.embed_tokens, TARGET_EMBED_KEY), (self.lm_head, TARGET_LM_HEAD_KEY)):
+            layer.weight_loader(layer.weight, heads[key])
+            layer.quant_method.process_weights_after_loading(layer)
+
+
+@dataclass
+class Served:
+    """A drafter loaded by vLLM's ``load_dspark_model`` next to its target stub."""
+
+    model: Any  # K3DSparkForCausalLM
+    vllm_config: Any
+    target: TargetStub
+
+
+def load_drafter(target_dir: Path, draft_dir: Path, *, dtype: str = "float32",
+                 heads_file: Path | None = None, **speculative: Any) -> Served:
+    """Build and load the drafter through vLLM's ``load_dspark_model``; raises whatever it raises."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(VllmConfig, "_validate_v1_model_runner", lambda self: None)
+        # The plugin's serve-time doctor would refuse some bad drafters before the model is built;
+        # these tests are about what the model itself refuses.
+        mp.setenv("VLLM_DSPARK_DOCTOR", "0")
+        vllm_config = engine_config(target_dir, draft_dir, dtype=dtype, **speculative)
+        with set_current_vllm_config(vllm_config):
+            _ensure_cpu_runtime()
+            target = TargetStub(heads_file or draft_dir / TARGET_HEADS, vllm_config.model_config.dtype)
+            model = load_dspark_model(target, vllm_config)
+    return Served(model, vllm_config, target)
+
+
+def variant(source: Path, dest: Path, edit_config) -> Path:
+    """A copy of checkpoint ``source`` whose config.json is ``edit_config(dict)``; weights are linked."""
+    dest.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.name == "config.json":
+            continue
+        (dest / path.name).symlink_to(path.resolve(), target_is_directory=path.is_dir())
+    config = json.loads((source / "config.json").read_text())
+    edit_config(config)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+# ----- driving the hooks the speculator calls -----
+
+
+@dataclass
+class Batch:
+    """Two requests with unequal contexts, their block tables and slots, as the speculator lays them out."""
+
+    context_lens: tuple[int, ...]
+    block_table: torch.Tensor  # [R, max_blocks]
+    block_size: int
+    aux: torch.Tensor  # [T_ctx, num_target_layers * target_hidden]
+    anchors: torch.Tensor  # [R]
+
+    def slots(self, r: int, positions: torch.Tensor) -> torch.Tensor:
+        return self.block_table[r, positions // self.block_size].long() * self.block_size + positions % self.block_size
+
+    @property
+    def context_positions(self) -> torch.Tensor:
+        return torch.cat([torch.arange(n) for n in self.context_lens])
+
+    @property
+    def context_slots(self) -> torch.Tensor:
+        return torch.cat([self.slots(r, torch.arange(n)) for r, n in enumerate(self.context_lens)])
+
+    def context_rows(self, r: int) -> slice:
+        start = sum(self.context_lens[:r])
+        return slice(start, start + self.context_lens[r])
+
+    def block_positions(self, block: int) -> torch.Tensor:
+        return torch.stack([torch.arange(n, n + block) for n in self.context_lens])
+
+
+def make_batch(config, *, seed: int = 0) -> Batch:
+    generator = torch.Generator().manual_seed(seed)
+    context_lens = (3, 6)
+    # Physical blocks out of order, shared by nobody: exercises the paged gather.
+    block_table = torch.tensor([[5, 2, 9, 0], [7, 1, 3, 11]], dtype=torch.int32)
+    aux = torch.randn(sum(context_lens), config.num_target_layers * config.target_hidden_size, generator=generator)
+    anchors = torch.randint(0, config.vocab_size, (len(context_lens),), generator=generator)
+    return Batch(context_lens, block_table, 4, aux, anchors)
+
+
+def bind_caches(model, batch: Batch, dtype: torch.dtype) -> list[torch.Tensor]:
+    num_blocks = int(batch.block_table.max()) + 1
+    caches = []
+    for layer in model.model.layers:
+        cache = torch.zeros(num_blocks, batch.block_size, layer.self_attn.head_size, dtype=dtype)
+        layer.self_attn.bind_kv_cache(cache)
+        caches.append(cache)
+    return caches
+
+
+def run_block(served: Served, batch: Batch) -> torch.Tensor:
+    """The speculator's query pass: ``[anchor, mask x (N-1)]`` per request, non-causal over its pages."""
+    from vllm.forward_context import set_forward_context
+
+    from vllm_dspark.attention import LatentAttentionMetadata
+
+    model, config = served.model, served.model.config
+    n = config.block_size
+    input_ids = torch.cat([torch.tensor([int(a)] + [config.mask_token_id] * (n - 1)) for a in batch.anchors])
+    positions = batch.block_positions(n).flatten()
+    slots = torch.cat([batch.slots(r, torch.arange(c, c + n)) for r, c in enumerate(batch.context_lens)])
+    meta = LatentAttentionMetadata(
+        query_start_loc=torch.arange(0, n * len(batch.context_lens) + 1, n),
+        seq_lens=torch.tensor([c + n for c in batch.context_lens]),
+        block_table=batch.block_table,
+    )
+    names = model.get_draft_kv_cache_layer_names()
+    with set_forward_context({name: meta for name in names}, served.vllm_config,
+                             slot_mapping={name: slots for name in names}):
+        return model(input_ids, positions)
+
+
+def reference_context_kv(reference, context: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[L, R, T_max, latent]`` context latents of every request, padded, and the ``[R, T_max]`` mask."""
+    t_max = max(batch.context_lens)
+    per_request = [reference.context_kv(context[None, batch.context_rows(r)], torch.arange(n)[None])
+                   for r, n in enumerate(batch.context_lens)]
+    latents = torch.zeros(per_request[0].shape[0], len(per_request), t_max, per_request[0].shape[-1])
+    mask = torch.zeros(len(per_request), t_max, dtype=torch.bool)
+    for r, kv in enumerate(per_request):
+        latents[:, r, : kv.shape[2]] = kv[:, 0]
+        mask[r, : kv.shape[2]] = True
+    return latents, mask
+
+
+def assert_hooks_match_reference(served: Served, reference, *, atol: float = 0.0, rtol: float = 0.0,
+                                 norm_rtol: float | None = None) -> None:
+    """Every hook the speculator calls, on the same inputs, against the FP32 reference drafter.
+
+    Elementwise within ``atol``/``rtol``, or, with ``norm_rtol``, ``|actual - expected| / |expected|``
+    over each whole output (for BF16, where single elements near zero carry no signal).
+    """
+    model, config = served.model, served.model.config
+    dtype = served.vllm_config.model_config.dtype
+    batch = make_batch(config)
+
+    def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+        actual, expected = actual.float(), expected.float()
+        if norm_rtol is None:
+            torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+            return
+        error = ((actual - expected).norm() / expected.norm()).item()
+        assert error <= norm_rtol, f"{what}: relative error {error:.2e} > {norm_rtol:.0e}"
+
+    # combine_hidden_states: context_proj -> context_norm
+    context = model.combine_hidden_states(batch.aux.to(dtype))
+    close(context, reference.combine_hidden_states(batch.aux), "combine_hidden_states")
+
+    # precompute_and_store_context_kv: every layer's latent, at the context tokens' slots
+    caches = bind_caches(model, batch, dtype)
+    model.precompute_and_store_context_kv(context, batch.context_positions, batch.context_slots)
+    expected_kv, context_mask = reference_context_kv(reference, context.float(), batch)
+    for i, cache in enumerate(caches):
+        for r, n in enumerate(batch.context_lens):
+            stored = cache.view(-1, cache.shape[-1])[batch.context_slots[batch.context_rows(r)]]
+            close(stored, expected_kv[i, r, :n], f"context latent of layer {i}, request {r}")
+
+    # forward: the non-causal block over the pages (attention included)
+    hidden = run_block(served, batch)
+    n = config.block_size
+    expected_hidden = reference.block_hidden(batch.anchors, expected_kv, batch.block_positions(n),
+                                             context_mask=context_mask)
+    close(hidden, expected_hidden.reshape(-1, config.hidden_size), "forward (block hidden states)")
+    # The query block's own latents were written to its slots.
+    for i, cache in enumerate(caches):
+        for r, c in enumerate(batch.context_lens):
+            stored = cache.view(-1, cache.shape[-1])[batch.slots(r, torch.arange(c, c + n))]
+            assert stored.abs().sum() > 0, f"layer {i} wrote no latent for request {r}'s block"
+
+    # heads, on the model's own hidden states
+    close(model.compute_draft_logits(hidden), reference.base_logits(hidden.float()), "compute_draft_logits")
+    prev = torch.cat([batch.anchors, torch.randint(0, config.vocab_size, (5,))])
+    markov = model.markov_embed(prev)
+    close(markov, reference.markov_embed(prev), "markov_embed")
+    close(model.markov_bias(markov), reference.markov_bias(markov.float()), "markov_bias")
+    rows = hidden[: prev.shape[0]]
+    close(model.compute_confidence(rows, markov), reference.confidence(rows.float(), markov.float()),
+          "compute_confidence")

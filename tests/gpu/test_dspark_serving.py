@@ -1,0 +1,193 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Serving a tiny random MLA target with this drafter through ``vllm.LLM(speculative_config={"method": "dspark"})``.
+
+GPU only (vLLM runs ``dspark`` in its V2 GPU model runner): skipped without CUDA. It checks what the
+CPU tests cannot: the Kimi-K3 MLA draft layers on a real MLA backend, their KV pages in the
+target's cache, FP8 Marlin linears, the speculator's Markov loop, and lossless verification.
+
+The target is a random 8-layer DeepSeek-V3 (dense MLP, MLA with the Kimi-K3 latent: kv_lora_rank
+512 + rope 64 = 576), written by transformers; the drafter is random too, in this project's on-disk
+layout, with the target's geometry (hidden 256, aux layers 1, 2, 4, 5, 6). Random drafts are
+mostly rejected: the assertions are about correctness (greedy output unchanged by speculation,
+probabilistic/block runs complete with valid tokens), and that drafting really happened.
+
+Draft attention uses TRITON_MLA, the non-causal-capable MLA backend on Hopper (FLASHINFER_MLA needs
+compute capability 10.x); the target uses it too so both share one KV-cache layout.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 4096
+MASK_TOKEN = 4093
+BLOCK = 7
+MAX_TOKENS = 48
+ATTENTION_BACKEND = "TRITON_MLA"
+PROMPTS = [[11, 250, 3000, 42, 7, 900, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [4000, 17]]
+
+
+def _drafter_config() -> dict:
+    from vllm_dspark.presets import preset_config_json
+
+    config = preset_config_json("small")
+    config.update(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        vocab_size=VOCAB, draft_vocab_size=VOCAB, target_hidden_size=256, target_num_hidden_layers=8,
+        target_layer_ids=[1, 2, 4, 5, 6], num_target_layers=5, mask_token_id=MASK_TOKEN, markov_rank=32,
+        block_size=BLOCK,
+    )
+    config.pop("target_kv_latent_dim")  # the Kimi-K3 default, 576
+    return config
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from vllm_dspark.checkpoint import save_drafter
+    from vllm_dspark.config import K3DSparkConfig
+    from vllm_dspark.make_random import random_drafter_tensors
+    from vllm_dspark.quantize import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("dspark_serving")
+    torch.manual_seed(0)
+    target_config = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=8, first_k_dense_replace=8, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        n_group=1, topk_group=1, max_position_embeddings=4096, tie_word_embeddings=False,
+    )
+    target_config.architectures = ["DeepseekV3ForCausalLM"]
+    target = DeepseekV3ForCausalLM(target_config).to(torch.bfloat16)
+    target.save_pretrained(root / "target")
+
+    drafter_json = _drafter_config()
+    tensors = random_drafter_tensors(K3DSparkConfig(**drafter_json), seed=0)
+    save_drafter(root / "drafter", drafter_json, tensors)
+    quantize_checkpoint(root / "drafter", root / "drafter-fp8", "fp8", progress=False)
+    return {"target": root / "target", "drafter": root / "drafter", "drafter-fp8": root / "drafter-fp8"}
+
+
+def _generate(target: Path, params: list, speculative_config: dict | None = None, *,
+              enforce_eager: bool = True, inspect=None):
+    """Token ids per prompt, the spec-decode counters, and ``inspect(worker)`` of the one worker."""
+    from vllm import LLM
+
+    llm = LLM(model=str(target), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512, max_num_seqs=4,
+              gpu_memory_utilization=0.3, enforce_eager=enforce_eager, seed=0, disable_log_stats=False,
+              attention_config={"backend": ATTENTION_BACKEND}, speculative_config=speculative_config)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")
+                    and hasattr(m, "value")}
+        inspected = llm.collective_rpc(inspect)[0] if inspect is not None else None
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return tokens, counters, inspected
+
+
+def _greedy() -> list:
+    from vllm import SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)] * len(PROMPTS)
+
+
+def _spec(drafter: Path, **extra) -> dict:
+    return {"method": "dspark", "model": str(drafter), "num_speculative_tokens": BLOCK,
+            "attention_backend": ATTENTION_BACKEND, **extra}
+
+
+def _describe_drafter(worker) -> dict:
+    """Runs inside the worker: the drafter class, its layers' quant methods and KV-cache groups."""
+    runner = worker.model_runner
+    drafter = runner.speculator.model
+    draft_layers = drafter.get_draft_kv_cache_layer_names()
+    groups = [list(g.layer_names) for g in runner.kv_cache_config.kv_cache_groups]
+    quant = {}
+    for name, module in drafter.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(module, "input_size"):
+            scheme = getattr(module, "scheme", None)
+            quant[name] = type(scheme).__name__ if scheme is not None else type(method).__name__
+    specs = {name: repr(runner.speculator.vllm_config.compilation_config.static_forward_context[name]
+                        .get_kv_cache_spec(runner.speculator.vllm_config)) for name in draft_layers}
+    return {"class": type(drafter).__name__, "draft_layers": draft_layers, "groups": groups, "quant": quant,
+            "specs": specs, "embed_shared": drafter.model.embed_tokens is runner.model.model.embed_tokens}
+
+
+@pytest.fixture(scope="module")
+def baseline(models) -> list[list[int]]:
+    tokens, _, _ = _generate(models["target"], _greedy())
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+    return tokens
+
+
+def _assert_drafted(counters: dict) -> None:
+    assert counters.get("vllm:spec_decode_num_drafts", 0) > 0, f"no drafts were proposed: {counters}"
+    assert counters.get("vllm:spec_decode_num_draft_tokens", 0) > 0, counters
+
+
+def test_greedy_output_is_unchanged_by_dspark_speculation(models, baseline) -> None:
+    tokens, counters, info = _generate(models["target"], _greedy(), _spec(models["drafter"]),
+                                       inspect=_describe_drafter)
+    assert tokens == baseline
+    _assert_drafted(counters)
+    assert info["class"] == "K3DSparkForCausalLM"
+    # Draft layers are numbered after the target's 8 and live in a KV-cache group with target layers.
+    assert info["draft_layers"] == ["model.layers.8.self_attn", "model.layers.9.self_attn"]
+    shared = [g for g in info["groups"] if set(info["draft_layers"]) <= set(g)]
+    assert shared and any(name not in info["draft_layers"] for name in shared[0]), info["groups"]
+    assert all("head_size=576" in spec and "non_causal_multi_token_decode=True" in spec
+               for spec in info["specs"].values()), info["specs"]
+    assert info["embed_shared"]
+    assert all(method == "UnquantizedLinearMethod" for method in info["quant"].values()), info["quant"]
+
+
+def test_fp8_drafter_serves_losslessly_with_fp8_on_exactly_the_six_kinds(models, baseline) -> None:
+    tokens, counters, info = _generate(models["target"], _greedy(), _spec(models["drafter-fp8"]),
+                                       inspect=_describe_drafter)
+    assert tokens == baseline
+    _assert_drafted(counters)
+    fp8 = {name for name, scheme in info["quant"].items() if scheme == "CompressedTensorsW8A16Fp8"}
+    expected = {"model.context_proj"} | {
+        f"model.layers.{i}.{kind}" for i in range(2)
+        for kind in ("self_attn.q_b_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    }
+    assert fp8 == expected, info["quant"]
+
+
+def test_greedy_output_is_unchanged_with_cuda_graphs(models, baseline) -> None:
+    """The production path: the draft step (backbone + sequential Markov sampling) in a FULL CUDA graph."""
+    tokens, counters, _ = _generate(models["target"], _greedy(), _spec(models["drafter"]), enforce_eager=False)
+    assert tokens == baseline
+    _assert_drafted(counters)
+
+
+def test_probabilistic_drafting_with_block_verification(models, baseline) -> None:
+    """Sampled requests complete with valid, seed-reproducible tokens; greedy ones in the same batch
+    (which block verification falls back to argmax matching for) stay equal to the baseline."""
+    from vllm import SamplingParams
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False),
+    ]
+    spec = _spec(models["drafter"], draft_sample_method="probabilistic", rejection_sample_method="block")
+    first, counters, _ = _generate(models["target"], params, spec)
+    second, _, _ = _generate(models["target"], params, spec)
+    assert first[0] == baseline[0]
+    assert all(len(t) == MAX_TOKENS and all(0 <= x < VOCAB for x in t) for t in first)
+    assert first == second, "seeded sampling with speculation is not reproducible"
+    _assert_drafted(counters)

@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-dspark check`` on real quantized checkpoints, and on each way one can be broken."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_dspark.check import check_checkpoint, main
+from vllm_dspark.layout import FP8_RECIPE
+from vllm_dspark.make_random import make_random
+from vllm_dspark.quantize import quantize_checkpoint
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    # On a shared 2-core box every multi-threaded torch op waits ~10 ms for a busy core to join in;
+    # these tensors are small enough that one thread is far faster.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("check")
+    out = {"bf16": make_random(root / "bf16", "tiny", seed=2, progress=False)}
+    quantize_checkpoint(out["bf16"], root / "fp8", "fp8", FP8_RECIPE, progress=False)
+    # NVFP4 over both fused groups, whose shards must share global scales.
+    layers = ["mlp.gate_proj", "mlp.up_proj", "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "context_proj"]
+    quantize_checkpoint(out["bf16"], root / "nvfp4", "nvfp4", layers, progress=False)
+    out.update(fp8=root / "fp8", nvfp4=root / "nvfp4")
+    return out
+
+
+def _broken(checkpoints: dict[str, Path], which: str, tmp_path: Path) -> Path:
+    copy = tmp_path / which
+    shutil.copytree(checkpoints[which], copy)
+    return copy
+
+
+def _edit_config(model_dir: Path, edit) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    edit(config)
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
+def _edit_tensors(model_dir: Path, edit) -> None:
+    shard = next(model_dir.glob("model-*.safetensors"))
+    tensors = load_file(shard)
+    edit(tensors)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    index["weight_map"] = dict.fromkeys(tensors, shard.name)
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_sound_checkpoints_pass(checkpoints, capsys) -> None:
+    bf16 = check_checkpoint(checkpoints["bf16"])
+    assert bf16.ok and bf16.config_groups == 0 and not bf16.quantized_modules
+
+    fp8 = check_checkpoint(checkpoints["fp8"])
+    assert fp8.ok, fp8.problems
+    assert fp8.config_groups == 1
+    assert len(fp8.ignored_modules) == 7 * 2 + 6  # 7 per layer + 6 global modules (41 for the 5-layer K3)
+    assert len(fp8.quantized_modules) == 1 + 5 * 2 and set(fp8.quantized_modules.values()) == {"fp8"}
+
+    nvfp4 = check_checkpoint(checkpoints["nvfp4"])
+    assert nvfp4.ok, nvfp4.problems
+    assert "layers.1.self_attn.kv_a_proj_with_mqa" in nvfp4.quantized_modules
+
+    assert main([str(checkpoints["fp8"])]) == 0
+    out = capsys.readouterr().out
+    assert "1 config group(s), format fp8: 11 quantized modules" in out and "20 ignored modules" in out and "OK" in out
+
+
+def _problems(model_dir: Path, capsys: pytest.CaptureFixture) -> str:
+    report = check_checkpoint(model_dir)
+    assert not report.ok
+    assert main([str(model_dir)]) == 1
+    out = capsys.readouterr().out
+    assert all(problem.splitlines()[0] in out for problem in report.problems)
+    return "\n".join(report.problems)
+
+
+def test_target_ignore_overlap(checkpoints, tmp_path, capsys) -> None:
+    model_dir = _broken(checkpoints, "fp8", tmp_path)
+    _edit_config(model_dir, lambda c: c["quantization_config"]["ignore"].append("re:.*mlp\\.down_proj$"))
+    problems = _problems(model_dir, capsys)
+    assert "2 module(s) are both targeted and ignored: layers.0.mlp.down_proj" in problems
+    assert "drop them from one of the two lists" in problems
+
+
+def test_glob_entry(checkpoints, tmp_path, capsys) -> None:
+    model_dir = _broken(checkpoints, "fp8", tmp_path)
+    _edit_config(model_dir, lambda c: c["quantization_config"]["ignore"].append("markov_head*"))
+    assert "ignore entry 'markov_head*' is a shell glob" in _problems(model_dir, capsys)
+
+
+def test_split_fused_module(checkpoints, tmp_path, capsys) -> None:
+    model_dir = _broken(checkpoints, "fp8", tmp_path)
+
+    def split(config):  # quantize gate_proj but ignore up_proj, as a substring-matched ignore once did
+        qc = config["quantization_config"]
+        qc["config_groups"]["group_0"]["targets"].remove("re:.*layers\\.\\d+\\.mlp\\.up_proj$")
+        qc["ignore"].append("re:.*layers\\.\\d+\\.mlp\\.up_proj$")
+
+    _edit_config(model_dir, split)
+    problems = _problems(model_dir, capsys)
+    assert ("layers.0.mlp.gate_up_proj: vLLM fuses layers.0.mlp.gate_proj, layers.0.mlp.up_proj into one layer, "
+            "which takes one scheme, but they differ (fp8: layers.0.mlp.gate_proj; unquantized: layers.0.mlp.up_proj)") in problems
+    # ... and the tensors no longer match what config.json says.
+    assert ("layers.0.mlp.up_proj.weight: dtype F8_E4M3, but the unquantized module layers.0.mlp.up_proj stores it "
+            "as BF16 or F16 or F32") in problems
+    assert "layers.0.mlp.up_proj.weight_scale: unexpected tensor (layers.0.mlp.up_proj is not quantized by config.json)" in problems
+
+
+def test_wrong_dtype_missing_and_unexpected_tensors(checkpoints, tmp_path, capsys) -> None:
+    model_dir = _broken(checkpoints, "fp8", tmp_path)
+
+    def edit(tensors):
+        tensors["layers.1.mlp.down_proj.weight"] = tensors["layers.1.mlp.down_proj.weight"].float()
+        tensors["final_norm.weight"] = tensors["final_norm.weight"].to(torch.float8_e4m3fn)
+        del tensors["context_proj.weight_scale"]
+        tensors["layers.0.mlp.down_proj.weight_zero_point"] = torch.zeros(64, 1)
+
+    _edit_tensors(model_dir, edit)
+    problems = _problems(model_dir, capsys)
+    assert "layers.1.mlp.down_proj.weight: dtype F32, but the fp8 module layers.1.mlp.down_proj stores it as F8_E4M3" in problems
+    assert "final_norm.weight: dtype F8_E4M3, but the unquantized module final_norm stores it as BF16 or F16 or F32" in problems
+    assert "context_proj.weight_scale: missing; the fp8 module context_proj needs it (shape (64, 1))" in problems
+    assert "layers.0.mlp.down_proj.weight_zero_point: unexpected tensor (layers.0.mlp.down_proj is fp8" in problems
+    assert "Fix: re-quantize the BF16 checkpoint with `vllm-dspark quantize`" in problems
+
+
+def test_wrong_shape(checkpoints, tmp_path, capsys) -> None:
+    model_dir = _broken(checkpoints, "fp8", tmp_path)
+    _edit_tensors(model_dir, lambda t: t.update({"layers.0.self_attn.o_proj.weight_scale": torch.ones(32, 1)}))
+    assert ("layers.0.self_attn.o_proj.weight_scale: shape (32, 1), but the fp8 module layers.0.self_attn.o_proj "
+            "needs (64, 1)") in _problems(model_dir, capsys)
+
+
+def test_non_finite_scales(checkpoints, tmp_path, capsys) -> None:
+    model_dir = _broken(checkpoints, "fp8", tmp_path)
+
+    def poison(tensors):
+        tensors["layers.0.mlp.gate_proj.weight_scale"][3] = float("nan")
+        tensors["layers.1.mlp.up_proj.weight_scale"][0] = 0.0
+
+    _edit_tensors(model_dir, poison)
+    problems = _problems(model_dir, capsys)
+    assert "layers.0.mlp.gate_proj.weight_scale: 1 of 128 scale values are NaN, infinite or not positive" in problems
+    assert "layers.1.mlp.up_proj.weight_scale: 1 of 128 scale values" in problems
+
+
+def test_nvfp4_fused_shards_with_different_global_scales(checkpoints, tmp_path, capsys) -> None:
+    model_dir = _broken(checkpoints, "nvfp4", tmp_path)
+    _edit_tensors(model_dir, lambda t: t["layers.1.self_attn.kv_a_proj_with_mqa.weight_global_scale"].mul_(2))
+    problems = _problems(model_dir, capsys)
+    assert "self_attn.fused_qkv_a_proj: NVFP4 weight_global_scale differs across the fused modules" in problems
+
+
+def test_config_group_count(checkpoints, tmp_path, capsys) -> None:
+    model_dir = _broken(checkpoints, "fp8", tmp_path)
+
+    def two_groups(config):
+        groups = config["quantization_config"]["config_groups"]
+        groups["group_1"] = dict(groups["group_0"], targets=[groups["group_0"]["targets"].pop()])
+
+    _edit_config(model_dir, two_groups)
+    assert "quantization_config has 2 config groups; a drafter needs exactly one" in _problems(model_dir, capsys)
+
+
+def test_truncated_shard_and_missing_config_are_problems_not_exceptions(checkpoints, tmp_path, capsys) -> None:
+    model_dir = _broken(checkpoints, "fp8", tmp_path)
+    shard = next(model_dir.glob("model-*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert f"{shard} is not a readable safetensors file" in _problems(model_dir, capsys)
+    (model_dir / "config.json").unlink()
+    assert "has no config.json" in _problems(model_dir, capsys)

@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``K3DSparkForCausalLM`` built and loaded by vLLM's own dspark loader on CPU, against the reference drafter.
+
+The drafter is built exactly as ``DSparkSpeculator.load_draft_model`` builds it (see
+``_vllm_drafter.py``) from a real ``VllmConfig`` with ``speculative_config={"method": "dspark"}``,
+in FP32 so it can be compared with the FP32 reference drafter. What is replaced on CPU, and why:
+the draft layers' attention is ``TorchLatentAttention`` instead of vLLM's Kimi-K3
+``MultiHeadLatentAttention``, whose decode/prefill epilogues are fused CUDA kernels; the tests bind
+paged latent caches to it and pass attention metadata through vLLM's forward context. Everything
+else (linears, norms, rotary table, Markov/confidence heads, logits processor, loader) is vLLM's.
+
+Tolerance: both sides compute in FP32 from the same weights and differ only in operation order
+(fused add+norm, GEMM blocking, the paged gather), so hooks agree to ``atol = rtol = 1e-4``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _vllm_drafter import (
+    Served,
+    assert_hooks_match_reference,
+    bind_caches,
+    load_drafter,
+    make_batch,
+    reference_context_kv,
+    run_block,
+)
+
+FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_mla_target: Path, tiny_checkpoint: Path) -> Served:
+    return load_drafter(tiny_mla_target, tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint: Path):
+    from vllm_dspark.reference import ReferenceDrafter
+
+    return ReferenceDrafter.from_pretrained(tiny_checkpoint)
+
+
+def _fresh_model(served: Served):
+    """A newly constructed, unloaded drafter, through vLLM's ``initialize_model``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    vllm_config = served.vllm_config
+    draft_model_config = vllm_config.speculative_config.draft_model_config
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(draft_model_config.dtype):
+        return initialize_model(vllm_config=vllm_config, model_config=draft_model_config)
+
+
+def _checkpoint_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    return tensors
+
+
+def test_built_by_vllm_dspark_loader_with_target_numbering_and_shared_heads(served: Served) -> None:
+    from vllm.model_executor.layers.linear import LinearBase, ReplicatedLinear, UnquantizedLinearMethod
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    from vllm_dspark.attention import TorchLatentAttention
+    from vllm_dspark.model import K3DSparkForCausalLM
+
+    model, target = served.model, served.target
+    draft_config = served.vllm_config.speculative_config.draft_model_config
+    assert ModelRegistry.resolve_model_cls(draft_config.architectures, draft_config)[0] is K3DSparkForCausalLM
+    assert type(model) is K3DSparkForCausalLM
+
+    # Draft layers are numbered after the target's 8 layers.
+    assert model.get_draft_kv_cache_layer_names() == ["model.layers.8.self_attn", "model.layers.9.self_attn"]
+    assert model.model.context_kv_proj.prefix == "model.layers.8.self_attn.fused_qkv_a_proj"
+    # The CPU stand-in for the Kimi-K3 MLA layer (see the module docstring).
+    assert all(isinstance(layer.self_attn, TorchLatentAttention) for layer in model.model.layers)
+
+    # Embedding and lm_head are the target's own modules, aliased by load_dspark_model.
+    assert model.model.embed_tokens is target.model.embed_tokens
+    assert model.lm_head is target.lm_head
+    assert not model.has_own_embed_tokens and not model.has_own_lm_head
+    assert model.draft_id_to_target_id is None
+    ids = torch.tensor([3, 509])
+    assert torch.equal(model.map_draft_to_target(ids), ids)
+
+    # A BF16 checkpoint: no quant config, every linear unquantized.
+    assert model.quant_config is None
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(isinstance(m.quant_method, UnquantizedLinearMethod) for m in linears)
+
+    # TP: Markov and confidence heads and the latent projections are replicated on every rank.
+    heads = model.model
+    assert isinstance(heads.markov_head.markov_w1, torch.nn.Embedding)
+    assert heads.markov_head.markov_w2.tp_size == 1
+    assert isinstance(heads.confidence_head.proj, ReplicatedLinear)
+    assert heads.confidence_head.proj.weight.dtype == torch.float32
+    assert heads.context_kv_proj.tp_size == 1
+    assert all(layer.self_attn.fused_qkv_a_proj.tp_size == 1 for layer in heads.layers)
+
+
+def test_every_hook_matches_the_fp32_reference(served: Served, reference) -> None:
+    assert_hooks_match_reference(served, reference, **FP32_TOL)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafted_block_matches_the_reference_draft(served: Served, reference, temperature: float) -> None:
+    """One speculator step end to end (hooks + the shared Markov rollout) drafts the reference's tokens."""
+    from vllm_dspark.sampling import markov_rollout
+
+    model, config = served.model, served.model.config
+    batch = make_batch(config, seed=1)
+    bind_caches(model, batch, torch.float32)
+    model.precompute_and_store_context_kv(model.combine_hidden_states(batch.aux), batch.context_positions,
+                                          batch.context_slots)
+    hidden = run_block(served, batch)
+    num_requests, n = len(batch.context_lens), config.block_size
+    seeds = torch.tensor([11, 12])
+    block_positions = batch.block_positions(n)
+    rollout = markov_rollout(model.compute_draft_logits(hidden).view(num_requests, n, -1), batch.anchors,
+                             model.markov_embed, model.markov_bias, temperature=temperature, seeds=seeds,
+                             positions=block_positions)
+    confidence = model.compute_confidence(hidden, rollout.markov_embeds.flatten(0, 1)).view(num_requests, n)
+
+    t_max = max(batch.context_lens)
+    aux = torch.zeros(num_requests, t_max, batch.aux.shape[-1])
+    mask = torch.zeros(num_requests, t_max, dtype=torch.bool)
+    for r, length in enumerate(batch.context_lens):
+        aux[r, :length] = batch.aux[batch.context_rows(r)]
+        mask[r, :length] = True
+    expected = reference.draft(aux, torch.arange(t_max).expand(num_requests, t_max), batch.anchors,
+                               temperature=temperature, seeds=seeds, context_mask=mask)
+    assert torch.equal(expected.block_positions, block_positions)
+    assert torch.equal(rollout.tokens, expected.tokens)
+    torch.testing.assert_close(rollout.logits, expected.logits, **FP32_TOL)
+    torch.testing.assert_close(confidence, expected.confidences, **FP32_TOL)
+
+
+def test_context_kv_slot_mapping_forms(served: Served, reference) -> None:
+    """``None`` computes without storing; a per-layer list may skip layers; negative slots are padding."""
+    model, config = served.model, served.model.config
+    batch = make_batch(config)
+    caches = bind_caches(model, batch, torch.float32)
+    context = model.combine_hidden_states(batch.aux)
+
+    model.precompute_and_store_context_kv(context, batch.context_positions, None)
+    assert all(cache.abs().sum() == 0 for cache in caches)
+
+    slots = batch.context_slots.clone()
+    slots[1] = -1  # a padded row
+    model.precompute_and_store_context_kv(context, batch.context_positions, [None, slots])
+    assert caches[0].abs().sum() == 0, "layer 0 was given no slots and must stay untouched"
+    expected, _ = reference_context_kv(reference, context, batch)
+    expected_rows = torch.cat([expected[1, r, :n] for r, n in enumerate(batch.context_lens)])
+    flat = caches[1].view(-1, caches[1].shape[-1])
+    written = slots >= 0
+    torch.testing.assert_close(flat[slots[written]], expected_rows[written], **FP32_TOL)
+    assert flat[batch.context_slots[1]].abs().sum() == 0, "a padded row was written"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.update({"layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)}),
+         r"checkpoint tensor 'layers\.0\.mlp\.extra_proj\.weight' belongs to no module of this drafter"),
+        (lambda t: t.update({"lm_head.weight": torch.zeros(512, 64)}),
+         r"checkpoint tensor 'lm_head\.weight' belongs to no module"),
+        (lambda t: t.update({"layers.1.mlp.down_proj.bias": torch.zeros(64)}),
+         r"'layers\.1\.mlp\.down_proj\.bias' has no parameter 'model\.layers\.1\.mlp\.down_proj\.bias': "
+         r"layers\.1\.mlp\.down_proj has no 'bias'"),
+        (lambda t: t.update({"context_proj.weight_scale": torch.ones(64, 1)}),
+         r"'context_proj\.weight_scale' has no parameter .*stores context_proj quantized, but its "
+         r"quantization_config does not quantize it"),
+        (lambda t: t.pop("layers.1.mlp.down_proj.weight"),
+         r"left these parameters unfilled: model\.layers\.1\.mlp\.down_proj\.weight\."),
+        (lambda t: t.pop("layers.0.mlp.up_proj.weight"),
+         r"unfilled: model\.layers\.0\.mlp\.gate_up_proj\.weight \(missing shards \[1\]\)"),
+        (lambda t: t.pop("layers.1.self_attn.kv_a_proj_with_mqa.weight"),
+         r"unfilled: model\.layers\.1\.self_attn\.fused_qkv_a_proj\.weight \(missing shards \[1\]\), "
+         r"model\.context_kv_proj\.weight \(missing shards \[1\]\)"),
+        (lambda t: t.update({"final_norm.weight": torch.ones(65)}),
+         r"'final_norm\.weight' \(torch\.float32, \(65,\)\) does not fit parameter 'model\.final_norm\.weight'"),
+    ],
+    ids=["unknown-module", "lm-head", "unknown-param", "quantized-tensor", "missing", "missing-shard",
+         "missing-stacked-shard", "wrong-shape"],
+)
+def test_loading_is_strict(served: Served, tiny_checkpoint: Path, edit, message: str) -> None:
+    tensors = {k: v.float() for k, v in _checkpoint_tensors(tiny_checkpoint).items()}
+    edit(tensors)
+    with pytest.raises(ValueError, match=message):
+        _fresh_model(served).load_weights(iter(tensors.items()))
+
+
+def test_loading_fills_every_parameter_once(served: Served, tiny_checkpoint: Path) -> None:
+    model = _fresh_model(served)
+    loaded = model.load_weights(iter(_checkpoint_tensors(tiny_checkpoint).items()))
+    assert loaded == {name for name, _ in model.named_parameters()}
+
+
+def test_target_of_another_depth_is_refused(tmp_path: Path, tiny_mla_target: Path, tiny_checkpoint: Path) -> None:
+    deeper = tmp_path / "target9"
+    deeper.mkdir()
+    config = json.loads((tiny_mla_target / "config.json").read_text())
+    (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 9}))
+    with pytest.raises(ValueError, match=r"made for a 8-layer target .* but the target has 9 layers"):
+        load_drafter(deeper, tiny_checkpoint)
+
+
+def test_not_a_standalone_model() -> None:
+    from vllm_dspark.model import K3DSparkForCausalLM
+
+    with pytest.raises(ValueError, match=r"speculative drafter, not a standalone model.*method': 'dspark'"):
+        K3DSparkForCausalLM(vllm_config=SimpleNamespace(speculative_config=None))

@@ -1,0 +1,207 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-dspark quantize`` end to end on make-random checkpoints: real safetensors, real compressed-tensors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from vllm_dspark import formats
+from vllm_dspark.check import check_checkpoint
+from vllm_dspark.layout import FP8_RECIPE, QUANTIZABLE_KINDS
+from vllm_dspark.make_random import make_random
+from vllm_dspark.quantize import REPORT_NAME, main, quantize_checkpoint
+
+
+def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    out = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(model_dir / shard), framework="pt") as f:
+            out.update({key: f.get_tensor(key) for key in f.keys()})
+    assert set(out) == set(index["weight_map"])
+    return out
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    # On a shared 2-core box every multi-threaded torch op waits ~10 ms for a busy core to join in;
+    # these tensors are small enough that one thread is far faster.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("drafters")
+    return {preset: make_random(root / preset, preset, seed=1, progress=False) for preset in ("tiny", "small")}
+
+
+@pytest.fixture(scope="module")
+def quantized(drafters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("quantized")
+    out = {}
+    for preset, model_dir in drafters.items():
+        for fmt in formats.FORMATS:
+            out[preset, fmt] = root / f"{preset}-{fmt}"
+            quantize_checkpoint(model_dir, out[preset, fmt], fmt, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_each_format_round_trips_with_snr_in_the_report(drafters, quantized, preset: str) -> None:
+    source = _tensors(drafters[preset])
+    snr = {}
+    for fmt in formats.FORMATS:
+        out_dir = quantized[preset, fmt]
+        report = json.loads((out_dir / f"{REPORT_NAME}.json").read_text())
+        assert f"| {report['modules'][0]['module']} |" in (out_dir / f"{REPORT_NAME}.md").read_text()
+        written = _tensors(out_dir)
+        qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
+        modules = formats.quantized_modules(qc, [k.removesuffix(".weight") for k in source if k.endswith(".weight")])
+        assert len(modules) == len(report["modules"]) == report["overall"]["modules_quantized"]
+        for row in report["modules"]:
+            name = row["module"]
+            assert modules[name] == fmt
+            weight = source[f"{name}.weight"]
+            parts = {s: written[f"{name}.{s}"] for s in formats.quantized_tensor_specs(fmt, tuple(weight.shape))}
+            # The report's SNR is what compressed-tensors' own decompression of the written tensors gives.
+            restored = formats.dequantize_weight(parts, fmt, tuple(weight.shape))
+            noise = (restored - weight.float()).double().square().sum()
+            assert row["snr_db"] == pytest.approx(10 * torch.log10(weight.double().square().sum() / noise).item(), abs=0.01)
+        # Everything not quantized is copied bit-identical.
+        for key, tensor in source.items():
+            if key.removesuffix(".weight") not in modules:
+                assert _same_bytes(written[key], tensor), key
+        assert report["overall"]["bytes_after"] == sum(t.numel() * t.element_size() for t in written.values())
+        snr[fmt] = report["overall"]["snr_db_mean"]
+    assert snr["fp8"] > 30
+    assert all(14 < snr[f] < 24 for f in ("mxfp4", "nvfp4"))
+    assert snr["fp8"] - max(snr["mxfp4"], snr["nvfp4"]) > 8, snr
+
+
+def test_output_is_a_complete_checkpoint(drafters, quantized) -> None:
+    out_dir = quantized["small", "fp8"]
+    config = json.loads((out_dir / "config.json").read_text())
+    source_config = json.loads((drafters["small"] / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k != "quantization_config"} == source_config
+    # The target's shared heads come along unchanged.
+    assert (out_dir / "target" / "model.safetensors").read_bytes() == (drafters["small"] / "target" / "model.safetensors").read_bytes()
+    report = json.loads((out_dir / f"{REPORT_NAME}.json").read_text())
+    assert report["include_layers"] == [k for k in QUANTIZABLE_KINDS if k in FP8_RECIPE]
+    assert report["overall"]["bytes_after"] < report["overall"]["bytes_before"]
+    assert check_checkpoint(out_dir).ok
+    assert not list(out_dir.parent.glob(".*partial*"))
+
+
+def test_workers_give_the_same_bytes(drafters, quantized, tmp_path: Path) -> None:
+    out_dir = tmp_path / "workers"
+    quantize_checkpoint(drafters["small"], out_dir, "nvfp4", workers=3, progress=False)
+    serial, parallel = _tensors(quantized["small", "nvfp4"]), _tensors(out_dir)
+    assert serial.keys() == parallel.keys()
+    assert all(_same_bytes(serial[k], parallel[k]) for k in serial)
+
+
+def test_nvfp4_fused_modules_share_one_global_scale(drafters, tmp_path: Path) -> None:
+    kinds = ["self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "mlp.gate_proj", "mlp.up_proj"]
+    quantize_checkpoint(drafters["tiny"], tmp_path / "out", "nvfp4", kinds, progress=False)
+    written = _tensors(tmp_path / "out")
+    gs = {k.removesuffix(".weight_global_scale"): float(v) for k, v in written.items() if k.endswith("global_scale")}
+    # q_a and kv_a share one scale across all layers (context_kv_proj stacks every layer's kv_a) ...
+    assert len({v for k, v in gs.items() if "_a_proj" in k}) == 1
+    # ... gate and up share one per layer.
+    for layer in (0, 1):
+        assert gs[f"layers.{layer}.mlp.gate_proj"] == gs[f"layers.{layer}.mlp.up_proj"]
+    assert gs["layers.0.mlp.gate_proj"] != gs["layers.1.mlp.gate_proj"]
+    assert check_checkpoint(tmp_path / "out").ok
+
+
+def _refused(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vllm-dspark quantize: error: ") and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(("layers", "message"), [
+    (["mlp.gate_proj", "mlp.down_proj"], "mlp.gate_proj and mlp.up_proj are fused into mlp.gate_up_proj at runtime and must be quantized together"),
+    (["self_attn.q_a_proj"], "fused into self_attn.fused_qkv_a_proj"),
+    (["mlp.gate", "mlp.up"], "unknown layer name(s) in --include_layers: 'mlp.gate', 'mlp.up'. Layer names are index-agnostic "
+                             f"module kinds; valid ones: {' '.join(QUANTIZABLE_KINDS)}"),
+    (["final_norm"], "'final_norm' cannot be quantized"),
+    (["markov_head.markov_w1"], "'markov_head.markov_w1' cannot be quantized"),
+])
+def test_refuses_bad_include_layers(drafters, tmp_path, capsys, layers: list[str], message: str) -> None:
+    err = _refused(capsys, ["--model_dir", str(drafters["tiny"]), "--output_dir", str(tmp_path / "out"),
+                            "--quant_format", "fp8", "--include_layers", *layers])
+    assert message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_refuses_a_non_empty_output_dir_without_overwrite(drafters, tmp_path, capsys) -> None:
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "notes.txt").write_text("keep me")
+    argv = ["--model_dir", str(drafters["tiny"]), "--output_dir", str(out_dir), "--quant_format", "fp8"]
+    assert "exists and is not empty; pass --overwrite" in _refused(capsys, argv)
+    assert (out_dir / "notes.txt").read_text() == "keep me"
+    assert main([*argv, "--overwrite"]) == 0
+    assert not (out_dir / "notes.txt").exists() and check_checkpoint(out_dir).ok
+
+
+def test_refuses_to_write_into_its_input(drafters, capsys) -> None:
+    err = _refused(capsys, ["--model_dir", str(drafters["tiny"]), "--output_dir", str(drafters["tiny"] / "fp8"),
+                            "--quant_format", "fp8"])
+    assert "is (inside) the input --model_dir" in err
+
+
+def _copy(model_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    return copy, next(copy.glob("model-*.safetensors"))
+
+
+def test_refuses_a_truncated_shard(drafters, tmp_path, capsys) -> None:
+    model_dir, shard = _copy(drafters["tiny"], tmp_path)
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    err = _refused(capsys, ["--model_dir", str(model_dir), "--output_dir", str(tmp_path / "out"), "--quant_format", "fp8"])
+    assert f"{shard} is not a readable safetensors file" in err and "not fully covered" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_refuses_a_corrupt_shard(drafters, tmp_path, capsys) -> None:
+    model_dir, shard = _copy(drafters["tiny"], tmp_path)
+    shard.write_bytes(b"\x00" * 8 + shard.read_bytes()[8:])  # header length zeroed
+    err = _refused(capsys, ["--model_dir", str(model_dir), "--output_dir", str(tmp_path / "out"), "--quant_format", "fp8"])
+    assert f"{shard} is not a readable safetensors file" in err
+
+
+def test_refuses_an_already_quantized_checkpoint(quantized, tmp_path, capsys) -> None:
+    err = _refused(capsys, ["--model_dir", str(quantized["tiny", "fp8"]), "--output_dir", str(tmp_path / "again"),
+                            "--quant_format", "nvfp4"])
+    assert "is already quantized (config.json has a fp8 quantization_config)" in err
+
+    # Quantized tensors under a config that lost its quantization_config are caught too.
+    model_dir, _ = _copy(quantized["tiny", "fp8"], tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["quantization_config"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    err = _refused(capsys, ["--model_dir", str(model_dir), "--output_dir", str(tmp_path / "again"), "--quant_format", "fp8"])
+    assert "holds already-quantized tensors" in err
+
+
+def test_help_explains_why_smoothquant_is_off(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "SmoothQuant is off" in " ".join(capsys.readouterr().out.split())

@@ -1,0 +1,29 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The K3 DSpark draft layers' attention on CUDA/ROCm: vLLM's Kimi-K3 MLA layer.
+
+Imported only on those platforms (by :func:`vllm_dspark.attention.build_latent_attention`): the
+Kimi-K3 MLA module imports fused CUDA kernels and cute-dsl at module level.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
+
+__all__ = ["K3DSparkMLA"]
+
+
+class K3DSparkMLA(MultiHeadLatentAttention):
+    """``MultiHeadLatentAttention`` plus the context-latent insert the drafter's precompute needs."""
+
+    def store_latent(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write ``[kv_c_normed | k_pe]`` (``[T, kv_lora_rank]``, ``[T, 1, rope]``) at ``slot_mapping [T]``.
+
+        Through the backend's own insert, so the cache dtype (bf16 or fp8 with this layer's
+        ``_k_scale``) and page layout are whatever the attention kernels read.
+        """
+        self.impl.do_kv_cache_update(
+            kv_c_normed, k_pe, self.kv_cache, slot_mapping, self.kv_cache_dtype, self._k_scale
+        )

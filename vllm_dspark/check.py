@@ -1,0 +1,278 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-dspark check DIR``: structural verification of a drafter checkpoint before serving it.
+
+Reads only safetensors headers and the (small) scale tensors, so it takes seconds on the real
+6.6 GiB drafter. It verifies:
+
+- config.json is a valid K3 DSpark config, and every shard is readable and agrees with the index;
+- the ``quantization_config`` (if any): its config groups are a weight-only format vLLM loads
+  (fp8 per-channel, mxfp4, nvfp4), no module is both targeted and ignored, no entry is a shell
+  glob (compressed-tensors never matches those), and modules vLLM fuses into one layer
+  (gate/up; q_a/kv_a across all layers, through context_kv_proj) share one decision;
+- every tensor's dtype and shape against what the config implies, with no tensor missing or
+  unexpected;
+- scales are present and finite, and NVFP4 fused shards share one global scale.
+
+Each violation is one problem string that names the tensor or module and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from vllm_dspark import formats
+from vllm_dspark.checkpoint import _SAFETENSORS_DTYPES, _checked_weight_map, _header, load_config, read_config_json
+from vllm_dspark.layout import ModuleSpec, checkpoint_modules
+
+# Unquantized tensors may be stored in any of these (the published drafter is BF16).
+_FLOAT_DTYPES = ("BF16", "F16", "F32")
+_REQUANTIZE = "re-quantize the BF16 checkpoint with `vllm-dspark quantize`"
+
+
+def human_params(n: int) -> str:
+    """``2.19 B`` / ``3.40 M``: parameter counts at the scale they are read."""
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
+def human_bytes(n: int) -> str:
+    """``4.60 GiB`` / ``0.27 MiB``."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """What a shard header says about one tensor."""
+
+    shard: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name: BF16, F8_E4M3, U8, ...
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _TORCH_DTYPES[self.dtype].itemsize
+
+
+_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+
+
+def stored_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
+    """``{key: StoredTensor}`` of a checkpoint directory, read from its headers only.
+
+    Raises ``ValueError`` naming the file and the fix for a missing, corrupt or truncated shard or
+    an index that disagrees with its shards.
+    """
+    weight_map = _checked_weight_map(Path(model_dir))
+    return {key: StoredTensor(weight_map[key], shape, dtype) for key, (shape, dtype) in _header(weight_map).items()}
+
+
+@dataclass
+class CheckReport:
+    """What ``vllm-dspark check`` found; ``ok`` when ``problems`` is empty."""
+
+    model_dir: str
+    problems: list[str] = field(default_factory=list)
+    ignored_modules: list[str] = field(default_factory=list)
+    quantized_modules: dict[str, str] = field(default_factory=dict)  # HF module name -> fmt
+    config_groups: int = 0
+    summary: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def render(self) -> str:
+        lines = [f"checked {self.model_dir}", *(f"  {line}" for line in self.summary)]
+        if self.ok:
+            lines.append("OK: no problems found")
+        else:
+            lines.append(f"{len(self.problems)} problem(s):")
+            lines += [f"  - {problem}" for problem in self.problems]
+        return "\n".join(lines)
+
+
+def _expected(spec: ModuleSpec, fmt: str | None) -> dict[str, formats.TensorSpec | None]:
+    """``{key: TensorSpec}`` of a module's tensors; None means any float dtype at the layout shape."""
+    if fmt is None:
+        expected: dict[str, formats.TensorSpec | None] = {f"{spec.name}.weight": None}
+    else:
+        expected = {f"{spec.name}.{s}": t for s, t in formats.quantized_tensor_specs(fmt, spec.shape).items()}
+    if spec.bias:
+        expected[f"{spec.name}.bias"] = None
+    return expected
+
+
+def _tensor_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored: dict[str, StoredTensor]) -> list[str]:
+    problems = []
+    expected_keys: set[str] = set()
+    for spec in specs:
+        fmt = quantized.get(spec.name)
+        for key, want in _expected(spec, fmt).items():
+            expected_keys.add(key)
+            shape = (spec.shape[0],) if key.endswith(".bias") else spec.shape if want is None else want.shape
+            what = f"the {fmt} module {spec.name}" if fmt else f"the unquantized module {spec.name}"
+            got = stored.get(key)
+            if got is None:
+                fix = _REQUANTIZE if fmt else "use the shards written with this config.json"
+                problems.append(f"{key}: missing; {what} needs it (shape {shape}). Fix: {fix}")
+                continue
+            if got.shape != tuple(shape):
+                problems.append(f"{key}: shape {got.shape}, but {what} needs {tuple(shape)}. Fix: use the "
+                                "config.json written with these shards, or re-export them")
+            ok_dtypes = _FLOAT_DTYPES if want is None else [_SAFETENSORS_DTYPES[d] for d in (want.dtype, *want.also)]
+            if got.dtype not in ok_dtypes:
+                fix = _REQUANTIZE if fmt or got.dtype not in _FLOAT_DTYPES else "store it in BF16"
+                problems.append(f"{key}: dtype {got.dtype}, but {what} stores it as {' or '.join(ok_dtypes)}. "
+                                f"Fix: {fix}")
+    for key in sorted(set(stored) - expected_keys):
+        module = key.rpartition(".")[0]
+        reason = (f"{module} is {quantized[module]} and does not store it" if module in quantized
+                  else f"{module} is not quantized by config.json" if any(s.name == module for s in specs)
+                  else "no module of this config has it")
+        problems.append(f"{key}: unexpected tensor ({reason}). Fix: remove it, or use the config.json written "
+                        "with these shards")
+    return problems
+
+
+def _fused_problems(quantized: dict[str, str], module_names: list[str]) -> list[str]:
+    problems = []
+    for fused, members in formats.fused_module_groups(module_names).items():
+        decisions: dict[str, list[str]] = {}
+        for name in members:
+            decisions.setdefault(quantized.get(name, "unquantized"), []).append(name)
+        if len(decisions) > 1:
+            split = "; ".join(f"{fmt}: {', '.join(names)}" for fmt, names in decisions.items())
+            problems.append(f"{fused}: vLLM fuses {', '.join(members)} into one layer, which takes one scheme, "
+                            f"but they differ ({split}). Fix: {_REQUANTIZE}, including all of them or none")
+    return problems
+
+
+def _load(stored: dict[str, StoredTensor], key: str) -> torch.Tensor:
+    with safe_open(str(stored[key].shard), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def _scale_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored: dict[str, StoredTensor]) -> list[str]:
+    problems = []
+    global_scales: dict[str, float] = {}
+    for spec in specs:
+        fmt = quantized.get(spec.name)
+        if fmt is None:
+            continue
+        for suffix in formats.quantized_tensor_specs(fmt, spec.shape):
+            key = f"{spec.name}.{suffix}"
+            if not suffix.endswith("scale") or key not in stored:
+                continue  # a missing scale is already a missing-tensor problem
+            scale = _load(stored, key)
+            if fmt == "mxfp4" and suffix == "weight_scale":
+                bad = int((scale == 255).sum())  # E8M0 255 encodes NaN
+            else:
+                values = scale.float()
+                # A zero group scale only zeroes an all-zero group; a zero channel or global scale breaks dequant.
+                positive = values >= 0 if fmt == "nvfp4" and suffix == "weight_scale" else values > 0
+                bad = int((~torch.isfinite(values) | ~positive).sum())
+            if bad:
+                problems.append(f"{key}: {bad} of {scale.numel()} scale values are NaN, infinite or not positive. "
+                                f"Fix: {_REQUANTIZE}")
+            if suffix == "weight_global_scale" and scale.numel() == 1:
+                global_scales[spec.name] = float(scale)
+    for fused, members in formats.fused_module_groups(global_scales).items():
+        values = {global_scales[m] for m in members}
+        if len(values) > 1:
+            listed = ", ".join(f"{m}={global_scales[m]:.6g}" for m in members)
+            problems.append(f"{fused}: NVFP4 weight_global_scale differs across the fused modules ({listed}), but "
+                            f"vLLM applies one global scale to the fused layer. Fix: {_REQUANTIZE}, which gives "
+                            "fused modules a shared global scale")
+    return problems
+
+
+def check_checkpoint(model_dir: str | Path) -> CheckReport:
+    """Verify a drafter checkpoint; never raises for a bad checkpoint, each violation is a problem."""
+    model_dir = Path(model_dir)
+    report = CheckReport(str(model_dir))
+    try:
+        raw = read_config_json(model_dir)
+        config = load_config(model_dir)
+    except ValueError as e:
+        report.problems.append(str(e))
+        return report
+    try:
+        stored = stored_tensors(model_dir)
+    except ValueError as e:
+        report.problems.append(str(e))
+        return report
+
+    specs = checkpoint_modules(config)
+    size = sum(t.nbytes for t in stored.values())
+    report.summary.append(f"K3 DSpark drafter: {config.num_hidden_layers} layers, hidden_size {config.hidden_size}, "
+                          f"{len(specs)} modules with weights")
+    report.summary.append(f"{len(stored)} tensors in {len({t.shard for t in stored.values()})} shard(s): "
+                          f"{human_bytes(size)}")
+    target = model_dir / "target" / "model.safetensors"
+    if target.is_file():
+        report.summary.append(f"target heads (shared embedding and lm_head): {target}")
+
+    qc: dict[str, Any] | None = raw.get("quantization_config")
+    if qc is None:
+        params = sum(math.prod(t.shape) for t in stored.values())
+        report.summary.append(f"not quantized (no quantization_config); {human_params(params)} params")
+    elif not _check_quantization(report, qc, specs, stored):
+        return report  # an unreadable quantization_config says nothing about the tensors
+    report.problems += _tensor_problems(specs, report.quantized_modules, stored)
+    return report
+
+
+def _check_quantization(
+    report: CheckReport, qc: dict[str, Any], specs: list[ModuleSpec], stored: dict[str, StoredTensor]
+) -> bool:
+    """Check ``qc`` against the modules and scales into ``report``; False if ``qc`` is unreadable."""
+    names = [spec.name for spec in specs]
+    report.config_groups = len(qc.get("config_groups") or {})
+    match = formats.match_modules(qc, names)
+    report.problems += match.problems
+    report.quantized_modules = match.quantized
+    report.ignored_modules = match.ignored
+    if report.config_groups != 1:
+        report.problems.append(f"quantization_config has {report.config_groups} config groups; a drafter "
+                               f"needs exactly one. Fix: {_REQUANTIZE}")
+    if not match.parsed:
+        return False
+    fmts = sorted(set(match.quantized.values()))
+    quantized_params = sum(math.prod(s.shape) for s in specs if s.name in match.quantized)
+    dense_params = sum(math.prod(s.shape) + (s.shape[0] if s.bias else 0) for s in specs)
+    report.summary.append(
+        f"quantization_config: {report.config_groups} config group(s), format {', '.join(fmts) or 'none'}: "
+        f"{len(match.quantized)} quantized modules ({human_params(quantized_params)} of {human_params(dense_params)} "
+        f"params, {100 * quantized_params / max(dense_params, 1):.0f} %), {len(match.ignored)} ignored modules"
+    )
+    if match.unmatched:
+        report.summary.append(f"neither targeted nor ignored (stay unquantized): {', '.join(match.unmatched)}")
+    if not match.quantized and not match.problems:
+        report.problems.append(f"quantization_config quantizes no module of this drafter. Fix: {_REQUANTIZE}")
+    report.problems += _fused_problems(match.quantized, names)
+    report.problems += _scale_problems(specs, match.quantized, stored)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vllm-dspark check",
+        description="Verify a K3 DSpark drafter checkpoint's structure (config, shards, quantization_config, "
+        "every tensor's dtype and shape, scales) without loading its weights. Exits 1 on any problem.",
+    )
+    parser.add_argument("model_dir", type=Path, help="the drafter checkpoint directory")
+    args = parser.parse_args(argv)
+    report = check_checkpoint(args.model_dir)
+    print(report.render())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-dspark draft``: draft one block per request with the reference drafter.
+
+    vllm-dspark draft --model DIR [--target DIR] --inputs IN.safetensors --out OUT.safetensors
+                      [--dtype fp32|bf16] [--absorbed]
+
+Input tensors (``IN.safetensors``; B requests, T context tokens):
+
+==================== ================================ ==========================================
+name                 shape / dtype                    meaning
+==================== ================================ ==========================================
+aux_hidden_states    [B, T, num_target_layers * Ht]   the target's hidden states after layers
+                     float (any)                      ``target_layer_ids``, concatenated in
+                                                      ascending layer order (5 x 7168 for K3)
+context_positions    [B, T] int64                     positions of those context tokens
+anchor_ids           [B] int64                        each request's last verified token
+context_mask         [B, T] bool, optional            False marks padding (contexts of unequal
+                                                      length); default all True
+seeds                [B] int64, optional              per-request sampling seeds
+temperature          [B] float, optional              0 = greedy (default); > 0 needs seeds
+==================== ================================ ==========================================
+
+The block of each request sits at positions ``last + 1 .. last + N`` (``last`` = its largest valid
+context position, N = ``block_size``) and reads ``[anchor, mask x (N - 1)]``.
+
+Output tensors (``OUT.safetensors``): ``draft_tokens`` [B, N] int64, ``logits`` [B, N, V] fp32
+(pre-temperature, Markov bias included: what vLLM caches for rejection sampling), ``confidences``
+[B, N] fp32 (when the drafter has a confidence head) and ``block_positions`` [B, N] int64.
+
+``--example-inputs FILE`` writes a valid random inputs file for the model and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:
+    from vllm_dspark.config import K3DSparkConfig
+    from vllm_dspark.reference import ReferenceDrafter
+
+__all__ = ["INPUT_TENSORS", "OUTPUT_TENSORS", "example_inputs", "main", "read_inputs", "run_draft"]
+
+# name -> (required, description) for --help and error messages.
+INPUT_TENSORS: dict[str, tuple[bool, str]] = {
+    "aux_hidden_states": (True, "[B, T, num_target_layers*target_hidden_size] float: target aux hidden states"),
+    "context_positions": (True, "[B, T] int64: positions of the context tokens"),
+    "anchor_ids": (True, "[B] int64: last verified token per request"),
+    "context_mask": (False, "[B, T] bool: False marks padding (default all True)"),
+    "seeds": (False, "[B] int64: sampling seeds (needed when temperature > 0)"),
+    "temperature": (False, "[B] float: 0 = greedy (default)"),
+}
+OUTPUT_TENSORS: dict[str, str] = {
+    "draft_tokens": "[B, N] int64",
+    "logits": "[B, N, V] fp32, pre-temperature, Markov bias included",
+    "confidences": "[B, N] fp32 in (0, 1) (drafters with a confidence head)",
+    "block_positions": "[B, N] int64",
+}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def example_inputs(
+    config: K3DSparkConfig, *, batch: int = 2, context_len: int = 16, seed: int = 0, temperature: float = 0.0
+) -> dict[str, torch.Tensor]:
+    """Random inputs for ``config``: contexts of unequal length (the last request padded), as a user
+    would hand them to ``draft``."""
+    generator = torch.Generator().manual_seed(seed)
+    width = config.num_target_layers * config.target_hidden_size
+    lengths = [context_len - (b * context_len // (2 * batch)) for b in range(batch)]
+    mask = torch.arange(context_len)[None, :] < torch.tensor(lengths)[:, None]
+    starts = torch.randint(0, 4096, (batch, 1), generator=generator)
+    return {
+        "aux_hidden_states": torch.randn(batch, context_len, width, generator=generator),
+        "context_positions": starts + torch.arange(context_len)[None, :],
+        "anchor_ids": torch.randint(0, config.vocab_size, (batch,), generator=generator),
+        "context_mask": mask,
+        "seeds": torch.arange(batch, dtype=torch.int64) + seed,
+        "temperature": torch.full((batch,), float(temperature)),
+    }
+
+
+def read_inputs(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read and check the names in an inputs file; shapes are checked by the drafter."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"inputs file {path} does not exist.")
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:  # safetensors' own error types
+        raise ValueError(f"{path} is not a readable safetensors file ({e}).") from None
+    missing = [name for name, (required, _) in INPUT_TENSORS.items() if required and name not in tensors]
+    if missing:
+        raise ValueError(f"{path} lacks required tensor(s) {', '.join(missing)}: "
+                         + "; ".join(f"{n} {INPUT_TENSORS[n][1]}" for n in missing) + ".")
+    unknown = sorted(set(tensors) - set(INPUT_TENSORS))
+    if unknown:
+        raise ValueError(f"{path} has unknown tensor(s) {', '.join(unknown)}; expected names: "
+                         f"{', '.join(INPUT_TENSORS)}.")
+    return tensors
+
+
+def run_draft(drafter: ReferenceDrafter, inputs: dict[str, torch.Tensor], *, absorbed: bool = False) -> dict[str, torch.Tensor]:
+    """Run ``drafter.draft`` on an inputs dict; returns the output tensors by name."""
+    out = drafter.draft(
+        inputs["aux_hidden_states"],
+        inputs["context_positions"],
+        inputs["anchor_ids"],
+        temperature=inputs.get("temperature", 0.0),
+        seeds=inputs.get("seeds"),
+        context_mask=inputs.get("context_mask"),
+        absorbed=absorbed,
+    )
+    result = {"draft_tokens": out.tokens, "logits": out.logits, "block_positions": out.block_positions}
+    if out.confidences is not None:
+        result["confidences"] = out.confidences.float()
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    inputs = "\n".join(f"  {n:<18} {'' if req else '(optional) '}{desc}" for n, (req, desc) in INPUT_TENSORS.items())
+    outputs = "\n".join(f"  {n:<18} {desc}" for n, desc in OUTPUT_TENSORS.items())
+    parser = argparse.ArgumentParser(
+        prog="vllm-dspark draft",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Draft one block per request with the reference (plain PyTorch) K3 DSpark drafter.\n"
+                    "Each block sits at positions last+1..last+N after its request's context and reads\n"
+                    "[anchor, mask x (N-1)].",
+        epilog=f"input tensors (--inputs):\n{inputs}\n\noutput tensors (--out):\n{outputs}",
+    )
+    parser.add_argument("--model", required=True, type=Path, help="drafter checkpoint directory")
+    parser.add_argument("--target", type=Path, default=None,
+                        help="target model directory (or .safetensors file) with model.embed_tokens.weight and "
+                             "lm_head.weight; default MODEL/target")
+    io = parser.add_mutually_exclusive_group(required=True)
+    io.add_argument("--inputs", type=Path, help="input tensors (.safetensors), names below")
+    io.add_argument("--example-inputs", type=Path, metavar="FILE",
+                    help="write a random inputs file for this model to FILE and exit")
+    parser.add_argument("--out", type=Path, help="output tensors (.safetensors), names below")
+    parser.add_argument("--dtype", choices=list(_DTYPES), default="fp32",
+                        help="compute dtype: fp32 (the reference) or bf16 (what ships); default fp32")
+    parser.add_argument("--absorbed", action="store_true",
+                        help="attend in the absorbed MLA form the GPU kernels use (default: naive kv_b_proj form)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.inputs is not None and args.out is None:
+        parser.error("--out is required with --inputs")
+    try:
+        if args.example_inputs is not None:
+            from vllm_dspark.checkpoint import load_config
+
+            save_file(example_inputs(load_config(args.model)), str(args.example_inputs))
+            print(f"wrote example inputs to {args.example_inputs}")
+            return 0
+        inputs = read_inputs(args.inputs)  # before the model import: a bad inputs file fails in a second
+        from vllm_dspark.reference import ReferenceDrafter
+
+        drafter = ReferenceDrafter.from_pretrained(args.model, target_dir=args.target, compute_dtype=_DTYPES[args.dtype])
+        outputs = run_draft(drafter, inputs, absorbed=args.absorbed)
+    except ValueError as e:
+        print(f"vllm-dspark draft: error: {e}", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in outputs.items()}, str(args.out))
+    tokens = outputs["draft_tokens"]
+    print(f"drafted {tokens.shape[0]} block(s) of {tokens.shape[1]} tokens ({args.dtype}) -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Token streams for the drift harness: where anchors and the ``boot`` regime's tokens come from.
+
+- default: ``vllm_dspark/data/corpus.txt`` (~6 KB: public-domain prose — Lincoln, Dickens, Austen,
+  Melville, Carroll, the US Constitution's preamble, Shakespeare — plus a few original arithmetic
+  word problems and a code snippet), mapped to ids byte by byte (UTF-8 byte ``b`` -> id ``b``),
+  so it works offline with any vocabulary of at least 256 ids and needs no tokenizer;
+- a user file of token ids: ``.npy`` (integer array), ``.json`` (a list of ids or a list of
+  lists, one per document) or ``.txt`` (ids separated by whitespace or commas);
+- a user text file plus ``--tokenizer DIR``, tokenized with ``transformers.AutoTokenizer``.
+
+Documents are concatenated into one stream; the harness cuts windows of ``context_len + 1`` tokens
+from it (``context_len`` context tokens, then the anchor).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
+
+
+def byte_ids(text: str) -> np.ndarray:
+    """UTF-8 bytes of ``text`` as token ids in ``[0, 256)``."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+
+def _ids_from_json(obj) -> np.ndarray:
+    if isinstance(obj, list) and obj and all(isinstance(doc, list) for doc in obj):
+        return np.concatenate([np.asarray(doc, dtype=np.int64) for doc in obj])
+    if isinstance(obj, list) and all(isinstance(t, int) for t in obj):
+        return np.asarray(obj, dtype=np.int64)
+    raise ValueError("a .json corpus must be a list of token ids or a list of lists of token ids")
+
+
+def _ids_from_txt(text: str, path: Path) -> np.ndarray:
+    fields = [f for f in re.split(r"[\s,]+", text.strip()) if f]
+    if not fields or not all(re.fullmatch(r"\d+", f) for f in fields):
+        raise ValueError(
+            f"{path}: a .txt corpus without --tokenizer must hold token ids separated by whitespace or commas; "
+            "to use plain text, pass --tokenizer DIR (a Hugging Face tokenizer directory)"
+        )
+    return np.asarray([int(f) for f in fields], dtype=np.int64)
+
+
+def load_corpus(path: str | Path | None = None, *, tokenizer: str | Path | None = None,
+                vocab_size: int) -> tuple[np.ndarray, str]:
+    """The token stream and a one-line description of where it came from.
+
+    Raises ``ValueError`` if an id falls outside ``[0, vocab_size)``.
+    """
+    if path is None:
+        if tokenizer is not None:
+            raise ValueError("--tokenizer needs --corpus: a text file to tokenize")
+        ids = byte_ids(DEFAULT_CORPUS.read_text(encoding="utf-8"))
+        source = f"default corpus {DEFAULT_CORPUS.name} ({len(ids)} UTF-8 bytes as ids)"
+    else:
+        path = Path(path)
+        if tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(tokenizer))
+            ids = np.asarray(tok.encode(path.read_text(encoding="utf-8"), add_special_tokens=False), dtype=np.int64)
+            source = f"{path} tokenized with {tokenizer}"
+        elif path.suffix == ".npy":
+            ids = np.load(path).astype(np.int64).ravel()
+            source = str(path)
+        elif path.suffix == ".json":
+            ids = _ids_from_json(json.loads(path.read_text()))
+            source = str(path)
+        elif path.suffix == ".txt":
+            ids = _ids_from_txt(path.read_text(), path)
+            source = str(path)
+        else:
+            raise ValueError(f"{path}: unsupported corpus file; use .npy, .json or .txt token ids, "
+                             "or a text file with --tokenizer DIR")
+    if ids.size == 0:
+        raise ValueError(f"the corpus ({source}) is empty")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise ValueError(f"the corpus ({source}) holds ids outside the drafter's vocabulary [0, {vocab_size}), "
+                         f"e.g. {int(ids[bad][0])}; tokenize with the target's tokenizer")
+    return ids, source
+
+
+def window_starts(stream_len: int, window: int, num_blocks: int, seed: int) -> np.ndarray:
+    """``[num_blocks]`` start offsets of windows of ``window`` tokens, drawn with a fixed seed.
+
+    Distinct offsets while the stream has enough of them; beyond that (more blocks than offsets)
+    offsets repeat, and in the ``boot`` regime repeated blocks narrow the bootstrap interval
+    artificially, so give a longer ``--corpus`` for large ``--blocks``.
+    """
+    if stream_len < window:
+        raise ValueError(f"the corpus has {stream_len} tokens; a block needs {window} (context_len + 1)")
+    choices = stream_len - window + 1
+    rng = np.random.default_rng([seed, 0xC0])
+    return rng.choice(choices, size=num_blocks, replace=num_blocks > choices).astype(np.int64)

@@ -1,0 +1,382 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Runs the drift evaluation: the FP32 reference once, then each variant, one loaded at a time.
+
+Cost model (what makes the ``k3`` preset fit 24 GiB and two cores):
+
+- the backbone is one parallel pass per block; teacher-forced and free-running scoring differ only
+  in the Markov bias, so each variant runs its backbone once per block and rolls the Markov head
+  twice over the same base logits;
+- the reference's per-block results are cached as post-final-norm hidden states, greedy tokens and
+  confidences (``N x H`` floats per block, not ``N x V`` logits); its logits are recomputed from
+  them next to each variant through the reference's own FP32 heads;
+- the reference stays loaded with its checkpoint's BF16 storage (upcast per use, exact) beside one
+  variant at a time, and the target's embedding / lm_head tensors are shared by all of them;
+- blocks are batched; ``gauss`` / ``heavy`` inputs are regenerated per block from the seed
+  (cheaper than storing them), ``boot`` inputs are computed once and kept in BF16.
+
+The reference runs MLA in its naive form; BF16 variants run the absorbed form (``W_UK`` folded
+into the query, ``W_UV`` applied after attending over latents), as the served MLA kernels do.
+The two agree in exact arithmetic.
+"""
+
+from __future__ import annotations
+
+import gc
+import platform
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import vllm_dspark.drift as drift_pkg
+from vllm_dspark import formats
+from vllm_dspark.checkpoint import load_drafter_state_dict, load_target_heads, read_config_json
+from vllm_dspark.config import K3DSparkConfig
+from vllm_dspark.drift import corpus as corpus_mod
+from vllm_dspark.drift import metrics
+from vllm_dspark.drift.regimes import HEAVY_SIGMA, REGIMES, boot_aux, synthetic_aux
+from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules, tensor_shapes
+from vllm_dspark.reference import ReferenceDrafter
+from vllm_dspark.sampling import markov_rollout
+from vllm_dspark.version import __version__
+
+SELF_CHECK = "fp32"  # the reference against itself: agreement 1, KL 0
+BUILTIN_VARIANTS = (SELF_CHECK, "bf16", *formats.FORMATS)
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """Everything a drift run depends on (recorded verbatim in results.json)."""
+
+    model: str
+    variants: tuple[str, ...] = ("bf16", "fp8", "mxfp4", "nvfp4")
+    regimes: tuple[str, ...] = REGIMES
+    blocks: int = 1024
+    batch_size: int = 16
+    context_len: int = 32
+    positions: tuple[int, ...] = ()  # anchor positions to sweep, beyond the base position context_len
+    seed: int = 0
+    device: str = "cpu"
+    corpus: str | None = None
+    tokenizer: str | None = None
+    target: str | None = None
+    include_layers: tuple[str, ...] = FP8_RECIPE
+    resamples: int = 1000
+    heavy_sigma: float = HEAVY_SIGMA
+    progress: bool = True
+
+    def all_positions(self) -> list[int]:
+        """The base position (context at 0 .. context_len - 1) followed by the sweep, ascending."""
+        return sorted({self.context_len, *self.positions})
+
+
+# ----- inputs --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Blocks:
+    """The shared inputs of a run: a token window per block (context tokens, then the anchor)."""
+
+    windows: torch.Tensor  # [blocks, context_len + 1] int64
+    source: str
+    boot: torch.Tensor | None = None  # [blocks, context_len, aux width] bf16, when the boot regime runs
+
+    @property
+    def anchors(self) -> torch.Tensor:
+        return self.windows[:, -1]
+
+
+@dataclass
+class Batch:
+    ids: np.ndarray  # [B] block indices
+    aux: torch.Tensor  # [B, T, aux width] bf16
+    anchors: torch.Tensor  # [B]
+    context_positions: torch.Tensor  # [B, T]
+    block_positions: torch.Tensor  # [B, N]
+
+
+def batches(spec: EvalSpec, config: K3DSparkConfig, blocks: Blocks, regime: str, position: int) -> Iterator[Batch]:
+    """The blocks of one (regime, anchor position) cell in fixed batches, on ``spec.device``."""
+    t, n = spec.context_len, config.block_size
+    dev = spec.device
+    for start in range(0, spec.blocks, spec.batch_size):
+        ids = np.arange(start, min(start + spec.batch_size, spec.blocks))
+        if regime == "boot":
+            aux = blocks.boot[ids]
+        else:
+            aux = synthetic_aux(regime, ids.tolist(), t, config.num_target_layers, config.target_hidden_size,
+                                spec.seed, heavy_sigma=spec.heavy_sigma)
+        b = len(ids)
+        yield Batch(
+            ids=ids,
+            aux=aux.to(dev),
+            anchors=blocks.anchors[ids].to(dev),
+            context_positions=torch.arange(position - t, position, device=dev).expand(b, t),
+            block_positions=torch.arange(position, position + n, device=dev).expand(b, n),
+        )
+
+
+def make_blocks(spec: EvalSpec, config: K3DSparkConfig, reference: ReferenceDrafter) -> Blocks:
+    stream, source = corpus_mod.load_corpus(spec.corpus, tokenizer=spec.tokenizer, vocab_size=config.vocab_size)
+    window = spec.context_len + 1
+    starts = corpus_mod.window_starts(len(stream), window, spec.blocks, spec.seed)
+    windows = torch.from_numpy(np.stack([stream[s : s + window] for s in starts]))
+    blocks = Blocks(windows=windows, source=source)
+    if "boot" in spec.regimes:
+        parts = []
+        with tqdm(total=spec.blocks, desc="boot aux states", unit="block", disable=not spec.progress) as bar:
+            for start in range(0, spec.blocks, spec.batch_size):
+                ids = windows[start : start + spec.batch_size, :-1].to(spec.device)
+                parts.append(boot_aux(reference, ids, config.num_target_layers).cpu())
+                bar.update(len(ids))
+        blocks.boot = torch.cat(parts)
+    return blocks
+
+
+# ----- drafters ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Heads:
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+
+
+def load_reference(spec: EvalSpec) -> tuple[K3DSparkConfig, ReferenceDrafter, Heads]:
+    """The FP32 reference, refusing a quantized ``--model`` (it would not be a reference)."""
+    if "quantization_config" in read_config_json(spec.model):
+        raise ValueError(f"{spec.model} is quantized; --model must be the unquantized drafter the reference is built "
+                         "from. Pass quantized checkpoints as --variants.")
+    config, state_dict = load_drafter_state_dict(spec.model, dtype=None)
+    state_dict.pop("embed_tokens.weight", None)  # the target's embedding is used; free the drafter's copy now
+    target = spec.target or str(Path(spec.model) / "target")
+    embed, lm_head = load_target_heads(target, dtype=None)
+    heads = Heads(embed.to(spec.device), lm_head.to(spec.device))
+    reference = ReferenceDrafter.from_state_dict(config, state_dict, embed_tokens=heads.embed, lm_head=heads.lm_head,
+                                                 compute_dtype=torch.float32, device=spec.device)
+    return config, reference, heads
+
+
+def quantize_on_the_fly(state_dict: dict[str, torch.Tensor], config: K3DSparkConfig, fmt: str,
+                        include: Sequence[str]) -> list[str]:
+    """Replace, in place, each included linear's weight by its ``fmt`` round trip; returns the modules.
+
+    Fused groups (gate/up per layer; q_a/kv_a across layers) share one NVFP4 global scale, as vLLM
+    requires and the quantizer writes.
+    """
+    kinds = formats.validate_include_kinds(include, fmt, config)
+    modules = [s.name for s in checkpoint_modules(config) if s.kind in kinds]
+    global_scales: dict[str, torch.Tensor] = {}
+    if fmt == "nvfp4":
+        for members in formats.fused_module_groups(modules).values():
+            scale = formats.nvfp4_global_scale(state_dict[f"{m}.weight"] for m in members)
+            global_scales.update(dict.fromkeys(members, scale))
+    for name in modules:
+        key = f"{name}.weight"
+        weight = state_dict[key]
+        tensors = formats.quantize_weight(weight, fmt, global_scale=global_scales.get(name))
+        state_dict[key] = formats.dequantize_weight(tensors, fmt, tuple(weight.shape)).to(weight.dtype)
+    return modules
+
+
+def variant_label(name: str) -> str:
+    return name if name in BUILTIN_VARIANTS else Path(name).name
+
+
+def load_variant(name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads) -> tuple[ReferenceDrafter, str]:
+    """A BF16-computed variant and a description of where its weights came from."""
+    if name in formats.FORMATS or name == "bf16":
+        _, state_dict = load_drafter_state_dict(spec.model, dtype=torch.bfloat16)
+        state_dict.pop("embed_tokens.weight", None)
+        source = f"{spec.model} in BF16"
+        if name != "bf16":
+            modules = quantize_on_the_fly(state_dict, config, name, spec.include_layers)
+            source = f"{spec.model}, {len(modules)} modules quantized to {name} on the fly, dequantized to BF16"
+    elif Path(name).is_dir():
+        variant_config, state_dict = load_drafter_state_dict(name, dtype=torch.bfloat16)
+        state_dict.pop("embed_tokens.weight", None)
+        if tensor_shapes(variant_config) != tensor_shapes(config):
+            raise ValueError(f"variant {name} is not a build of {spec.model}: its config implies different shapes")
+        raw = read_config_json(name)
+        source = f"checkpoint {name} ({'quantized' if 'quantization_config' in raw else 'unquantized'}), in BF16"
+    else:
+        raise ValueError(f"unknown variant {name!r}: use one of {', '.join(BUILTIN_VARIANTS)} or a checkpoint directory")
+    drafter = ReferenceDrafter.from_state_dict(config, state_dict, embed_tokens=heads.embed, lm_head=heads.lm_head,
+                                               compute_dtype=torch.bfloat16, device=spec.device)
+    return drafter, source
+
+
+# ----- passes --------------------------------------------------------------------------------------
+
+
+def backbone(drafter: ReferenceDrafter, batch: Batch, *, absorbed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One parallel block pass from the shared aux states: ``(hidden [B, N, H], base logits [B, N, V])``."""
+    context = drafter.combine_hidden_states(batch.aux)
+    kv = drafter.context_kv(context, batch.context_positions)
+    hidden = drafter.block_hidden(batch.anchors, kv, batch.block_positions, absorbed=absorbed)
+    return hidden, drafter.base_logits(hidden)
+
+
+def confidence(drafter: ReferenceDrafter, hidden: torch.Tensor, markov_embeds: torch.Tensor) -> torch.Tensor:
+    if drafter.confidence_head is None:
+        return torch.full(hidden.shape[:-1], float("nan"))
+    return drafter.confidence(hidden, markov_embeds).float()
+
+
+@dataclass
+class ReferenceCell:
+    """The reference's results on one cell's blocks: all the harness keeps of them."""
+
+    hidden: list[torch.Tensor] = field(default_factory=list)  # per batch [B, N, H] fp32
+    tokens: list[torch.Tensor] = field(default_factory=list)  # per batch [B, N]
+    conf: list[torch.Tensor] = field(default_factory=list)  # per batch [B, N]
+
+
+@torch.inference_mode()
+def reference_cell(reference: ReferenceDrafter, cell_batches: Iterator[Batch], bar: tqdm) -> ReferenceCell:
+    out = ReferenceCell()
+    for batch in cell_batches:
+        hidden, logits = backbone(reference, batch, absorbed=False)
+        rollout = markov_rollout(logits, batch.anchors, reference.markov_embed, reference.markov_bias)
+        out.hidden.append(hidden.float())
+        out.tokens.append(rollout.tokens)
+        out.conf.append(confidence(reference, hidden, rollout.markov_embeds))
+        bar.update(len(batch.ids))
+    return out
+
+
+@torch.inference_mode()
+def variant_cell(variant: ReferenceDrafter, reference: ReferenceDrafter, ref: ReferenceCell,
+                 cell_batches: Iterator[Batch], bar: tqdm) -> metrics.BlockRecords:
+    absorbed = variant is not reference
+    parts = []
+    for i, batch in enumerate(cell_batches):
+        ref_tokens = ref.tokens[i]
+        forced = torch.cat([batch.anchors[:, None], ref_tokens[:, :-1]], dim=1)
+        hidden, logits = backbone(variant, batch, absorbed=absorbed)
+        free = markov_rollout(logits, batch.anchors, variant.markov_embed, variant.markov_bias)
+        forced_var = markov_rollout(logits, batch.anchors, variant.markov_embed, variant.markov_bias,
+                                    forced_prev=forced)
+        var_conf = confidence(variant, hidden, free.markov_embeds)
+        del logits
+        ref_logits = markov_rollout(reference.base_logits(ref.hidden[i]), batch.anchors, reference.markov_embed,
+                                    reference.markov_bias, forced_prev=forced).logits
+        div = metrics.token_divergence(ref_logits, forced_var.logits)
+        parts.append(metrics.BlockRecords(
+            tf_agree=(forced_var.tokens == ref_tokens).cpu().numpy(),
+            rollout_agree=(free.tokens == ref_tokens).cpu().numpy(),
+            overlap=div.overlap.cpu().numpy(),
+            kl=div.kl.cpu().numpy(),
+            reverse_kl=div.reverse_kl.cpu().numpy(),
+            ref_conf=ref.conf[i].cpu().numpy(),
+            var_conf=var_conf.cpu().numpy(),
+        ))
+        bar.update(len(batch.ids))
+    return metrics.BlockRecords.concat(parts)
+
+
+# ----- the run -------------------------------------------------------------------------------------
+
+
+def versions() -> dict[str, str]:
+    import compressed_tensors
+    import transformers
+
+    return {"vllm_dspark": __version__, "torch": torch.__version__, "numpy": np.__version__,
+            "transformers": transformers.__version__, "compressed_tensors": compressed_tensors.__version__,
+            "python": platform.python_version()}
+
+
+def validate(spec: EvalSpec, config: K3DSparkConfig) -> None:
+    unknown = [r for r in spec.regimes if r not in REGIMES]
+    if unknown:
+        raise ValueError(f"unknown regime(s) {', '.join(unknown)}; choose from {', '.join(REGIMES)}")
+    if spec.blocks < 2 or spec.batch_size < 1 or spec.context_len < 1:
+        raise ValueError("--blocks must be >= 2 (a bootstrap needs blocks to resample), --batch-size and "
+                         "--context-len >= 1")
+    labels = [variant_label(v) for v in spec.variants]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"variant labels must be unique, got {labels}")
+    top = config.max_position_embeddings - config.block_size
+    bad = [p for p in spec.positions if not spec.context_len <= p <= top]
+    if bad:
+        raise ValueError(f"--positions {bad} out of range: the anchor position must leave room for the context "
+                         f"before it (>= --context-len {spec.context_len}) and the block after it "
+                         f"(<= max_position_embeddings - block_size = {top})")
+
+
+def run(spec: EvalSpec) -> dict[str, Any]:
+    """Evaluate every variant on every (regime, position) cell; returns the JSON-ready results."""
+    timing: dict[str, float] = {}
+    t0 = time.perf_counter()
+    config, reference, heads = load_reference(spec)
+    validate(spec, config)
+    timing["load_reference_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    blocks = make_blocks(spec, config, reference)
+    timing["inputs_s"] = time.perf_counter() - t0
+
+    cells = [(r, p) for r in spec.regimes for p in spec.all_positions()]
+    total = spec.blocks * len(cells)
+    t0 = time.perf_counter()
+    ref_cells: dict[tuple[str, int], ReferenceCell] = {}
+    with tqdm(total=total, desc="reference fp32", unit="block", disable=not spec.progress) as bar:
+        for regime, position in cells:
+            ref_cells[regime, position] = reference_cell(reference, batches(spec, config, blocks, regime, position), bar)
+    timing["reference_s"] = time.perf_counter() - t0
+
+    indices = metrics.bootstrap_indices(spec.blocks, spec.resamples, spec.seed)
+    results_cells: list[dict[str, Any]] = []
+    sources: dict[str, str] = {}
+    for name in spec.variants:
+        label = variant_label(name)
+        t0 = time.perf_counter()
+        if name == SELF_CHECK:
+            variant, sources[label] = reference, "the reference itself (FP32 weights, FP32 compute)"
+        else:
+            variant, sources[label] = load_variant(name, spec, config, heads)
+        timing[f"load_{label}_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with tqdm(total=total, desc=label, unit="block", disable=not spec.progress) as bar:
+            for regime, position in cells:
+                records = variant_cell(variant, reference, ref_cells[regime, position],
+                                       batches(spec, config, blocks, regime, position), bar)
+                results_cells.append({"variant": label, "regime": regime, "position": position,
+                                      "metrics": metrics.summarize(records, indices)})
+        timing[f"eval_{label}_s"] = time.perf_counter() - t0
+        del variant
+        gc.collect()
+
+    evaluated = total * len(spec.variants)
+    timing["blocks_per_s"] = evaluated / max(sum(v for k, v in timing.items() if k.startswith("eval_")), 1e-9)
+    return {
+        "tool": "vllm-dspark eval",
+        "methodology": drift_pkg.__doc__,
+        "config": {
+            **asdict(spec),
+            "variants": [variant_label(v) for v in spec.variants],
+            "variant_sources": sources,
+            "regimes": list(spec.regimes),
+            "positions": spec.all_positions(),
+            "recipe": list(spec.include_layers),
+            "block_size": config.block_size,
+            "corpus_source": blocks.source,
+            "original_max_position_embeddings": config.rope_parameters.get("original_max_position_embeddings"),
+            "rope_parameters": dict(config.rope_parameters),
+            "drafter": {k: getattr(config, k) for k in (
+                "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+                "kv_lora_rank", "qk_rope_head_dim", "vocab_size", "markov_rank", "num_target_layers",
+                "target_hidden_size", "max_position_embeddings")},
+            "seeds": {"root": spec.seed, "aux": "SeedSequence([seed, regime, block + 1])",
+                      "corpus_windows": "default_rng([seed, 0xC0])", "bootstrap": "default_rng(seed)"},
+        },
+        "versions": versions(),
+        "timing": timing,
+        "cells": results_cells,
+    }

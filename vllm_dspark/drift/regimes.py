@@ -1,0 +1,104 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Aux-hidden-state regimes: the one input every variant shares and nobody can observe.
+
+The drafter consumes the target's hidden states after 5 of its layers. Without the ~1 T-param
+target in the loop they cannot be obtained, so the harness sweeps three distributions and checks
+that conclusions hold across them:
+
+- ``gauss``: iid N(0, 1);
+- ``heavy``: N(0, 1) times a lognormal per-channel scale ``exp(σ z_c)`` (σ = 1.5 by default),
+  drawn once per run and shared by the 5 aux layers, the way massive activations live in a few
+  fixed residual channels across layers;
+- ``boot``: the drafter's own layers run causally over real token streams, giving hidden states
+  with real token structure (see :mod:`vllm_dspark.drift.harness`).
+
+Every block's aux states are a pure function of (seed, regime, block index), so every variant
+sees bit-identical inputs however blocks are batched. They are rounded to BF16, the dtype in which
+vLLM hands the target's aux states to the drafter; the FP32 reference upcasts them exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+REGIMES: tuple[str, ...] = ("gauss", "heavy", "boot")
+HEAVY_SIGMA = 1.5
+_CODES = {"gauss": 1, "heavy": 2, "boot": 3}
+
+
+def _generator(seed: int, *key: int) -> torch.Generator:
+    state = np.random.SeedSequence([seed, *key]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator().manual_seed(int(state >> np.uint64(1)))
+
+
+def heavy_channel_scales(hidden: int, seed: int, sigma: float = HEAVY_SIGMA) -> torch.Tensor:
+    """fp32 ``[hidden]`` lognormal channel scales ``exp(sigma * z)``, one draw per run."""
+    return torch.exp(sigma * torch.randn(hidden, generator=_generator(seed, _CODES["heavy"], 0xCA1E)))
+
+
+def synthetic_aux(
+    regime: str, block_ids: Sequence[int], context_len: int, num_layers: int, hidden: int, seed: int,
+    *, heavy_sigma: float = HEAVY_SIGMA,
+) -> torch.Tensor:
+    """BF16 ``[B, context_len, num_layers * hidden]`` aux states of the ``gauss`` or ``heavy`` regime."""
+    if regime not in ("gauss", "heavy"):
+        raise ValueError(f"synthetic_aux makes 'gauss' or 'heavy', not {regime!r}")
+    width = num_layers * hidden
+    blocks = [
+        torch.randn(context_len, width, generator=_generator(seed, _CODES[regime], int(b) + 1))
+        for b in block_ids
+    ]
+    aux = torch.stack(blocks)
+    if regime == "heavy":
+        aux = aux * heavy_channel_scales(hidden, seed, heavy_sigma).repeat(num_layers)
+    return aux.to(torch.bfloat16)
+
+
+def pick_layers(num_states: int, wanted: int) -> list[int]:
+    """Indices of ``wanted`` states among ``num_states`` (embedding output, then each layer's),
+    evenly spaced and ending at the last layer, as the target's aux layers span its depth.
+
+    With fewer drafter layers than aux inputs (the ``tiny`` preset) some states repeat.
+    """
+    return [int(round(x)) for x in np.linspace(num_states - 1, 0, wanted, endpoint=False)[::-1]]
+
+
+@torch.inference_mode()
+def boot_aux(drafter, token_ids: torch.Tensor, num_target_layers: int) -> torch.Tensor:
+    """BF16 ``[B, T, num_target_layers * H]``: the drafter's own layers run causally over ``token_ids [B, T]``.
+
+    Each layer's output (the residual stream, as the target hands over ``hidden + residual``) at
+    every token, with each token attending to itself and the tokens before it. Runs in BF16, as
+    the target computes the states it hands over; precision is irrelevant here because every
+    variant receives the same states.
+
+    Causality through the reference's non-causal layer: each of the ``T`` tokens becomes its own
+    one-token block whose context is the layer's latents of all ``T`` tokens with the later ones
+    masked out, so a layer is one batched call. The absorbed MLA form keeps that affordable (it
+    never up-projects the ``T x T`` context copies).
+    """
+    batch, length = token_ids.shape
+    dtype = torch.bfloat16
+    if drafter.config.target_hidden_size != drafter.config.hidden_size:
+        raise ValueError(
+            f"the boot regime feeds the drafter's own hidden states (width {drafter.config.hidden_size}) as aux "
+            f"states of width target_hidden_size {drafter.config.target_hidden_size}; they must be equal"
+        )
+    positions = torch.arange(length, device=token_ids.device).expand(batch, length)
+    # Query t sees context keys j < t and its own key, which the layer appends after the context.
+    keys = torch.ones(length, length + 1, dtype=torch.bool, device=token_ids.device).tril(-1)
+    keys[:, -1] = True  # the block's own key
+    key_mask = keys.repeat(batch, 1)  # [B*T, T + 1]
+    x = drafter.embed_tokens(token_ids, dtype)
+    states = [x]
+    for layer in drafter.layers:
+        latents = layer.self_attn.latent(layer.input_layernorm(x), positions)  # [B, T, latent]
+        context = latents.repeat_interleave(length, dim=0)  # [B*T, T, latent]
+        x = layer(x.reshape(batch * length, 1, -1), positions.reshape(-1, 1), context, key_mask, True)
+        x = x.reshape(batch, length, -1)
+        states.append(x)
+    picked = [states[i] for i in pick_layers(len(states), num_target_layers)]
+    return torch.cat(picked, dim=-1).to(torch.bfloat16)

@@ -1,0 +1,442 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The three weight-only formats a drafter can be quantized to, as compressed-tensors writes them.
+
+Everything numeric comes from the compressed-tensors package: its preset schemes define the
+formats, its qparam helpers compute the scales, its compressors quantize, pack and decompress.
+This module only chooses the scheme per format, feeds tensors through it in row chunks (so a
+14336 x 7168 projection never needs more than a few tens of MiB of scratch), and says which
+checkpoint modules a ``quantization_config`` quantizes, with the matching rules vLLM applies.
+
+========  ==========================================  ===========================================
+format    weights                                     tensors per module (N out, K in)
+========  ==========================================  ===========================================
+fp8       E4M3, symmetric, one scale per out channel  weight f8e4m3 [N,K], weight_scale f32 [N,1]
+mxfp4     E2M1 in groups of 32, E8M0 scales           weight_packed u8 [N,K/2], weight_scale u8 [N,K/32]
+nvfp4     E2M1 in groups of 16, E4M3 scales,          weight_packed u8 [N,K/2], weight_scale f8e4m3
+          one fp32 global scale per tensor            [N,K/16], weight_global_scale f32 [1]
+========  ==========================================  ===========================================
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.compressors.format import infer_module_format
+from compressed_tensors.quantization import (
+    QuantizationConfig,
+    QuantizationScheme,
+    QuantizationStatus,
+    QuantizationStrategy,
+    preset_name_to_scheme,
+)
+from compressed_tensors.quantization.utils import calculate_qparams, compute_dynamic_scales_and_zp, generate_gparam
+from compressed_tensors.utils.match import match_name
+
+from vllm_dspark.layout import (
+    FUSED_GROUPS,
+    GLOBAL_KINDS,
+    LAYER_KINDS,
+    QUANTIZABLE_KINDS,
+    checkpoint_modules,
+    kind_regex,
+    module_kind,
+    validate_fused_decision,
+)
+
+if TYPE_CHECKING:
+    from vllm_dspark.config import K3DSparkConfig
+
+FORMATS: tuple[str, ...] = ("fp8", "mxfp4", "nvfp4")
+
+# The compressed-tensors preset each format takes its weight args from. There is no weight-only
+# per-channel FP8 preset: FP8_DYNAMIC's weights are exactly that (static, symmetric, per output
+# channel), and its dynamic per-token input quantization is dropped to make it W8A16.
+_PRESETS = {"fp8": "FP8_DYNAMIC", "mxfp4": "MXFP4A16", "nvfp4": "NVFP4A16"}
+
+# The format strings vLLM's loader accepts per format. compressed-tensors labels weight-only FP8
+# "naive-quantized" (its float-quantized compressor requires input activations); older exports
+# say "float-quantized". vLLM reaches its W8A16 FP8 scheme from both, and not from pack-quantized.
+ACCEPTED_FORMAT_STRINGS = {
+    "fp8": ("naive-quantized", "float-quantized"),
+    "mxfp4": ("mxfp4-pack-quantized",),
+    "nvfp4": ("nvfp4-pack-quantized",),
+}
+
+# Rows per chunk are chosen so that one chunk holds about this many weights: the FP4 packer
+# builds an [rows, K, 8] float scratch tensor, so this bounds scratch memory near 128 MiB.
+_CHUNK_ELEMENTS = 1 << 22
+
+# vLLM's K3 drafter builds ``context_kv_proj`` by stacking every layer's kv_a_proj_with_mqa, so
+# this fused group spans all layers: one NVFP4 global scale for every layer's q_a and kv_a.
+_CROSS_LAYER_FUSED = "self_attn.fused_qkv_a_proj"
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """dtype and shape of one stored tensor; ``also`` lists dtypes other producers write."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    also: tuple[torch.dtype, ...] = ()
+
+    def accepts(self, dtype: torch.dtype) -> bool:
+        return dtype == self.dtype or dtype in self.also
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quant format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+@functools.cache
+def _scheme(fmt: str) -> QuantizationScheme:
+    """The compressed-tensors scheme of ``fmt`` (targets filled in by :func:`quantization_config`)."""
+    _check_format(fmt)
+    scheme = preset_name_to_scheme(_PRESETS[fmt], targets=[]).model_copy(update={"input_activations": None})
+    scheme.format = infer_module_format(torch.nn.Linear, scheme)
+    return scheme
+
+
+def _compressor(fmt: str) -> type[BaseCompressor]:
+    return BaseCompressor.get_value_from_registry(_scheme(fmt).format)
+
+
+def group_size(fmt: str) -> int | None:
+    """Input columns per scale: 32 for mxfp4, 16 for nvfp4, None (whole row) for fp8."""
+    return _scheme(fmt).weights.group_size
+
+
+def quantized_tensor_specs(fmt: str, shape: tuple[int, int]) -> dict[str, TensorSpec]:
+    """``{suffix: TensorSpec}`` of the tensors that replace a [N, K] ``weight`` in format ``fmt``.
+
+    This is the on-disk contract vLLM's compressed-tensors schemes load (W8A16Fp8, W4A4Mxfp4,
+    W4A4Fp4 with use_a16): the quantizer plans its output from it and the checker verifies it.
+    """
+    _check_format(fmt)
+    n, k = shape
+    if fmt == "fp8":
+        # Written in fp32 (what vLLM's scale parameter holds); bf16/fp16 scales also load.
+        return {
+            "weight": TensorSpec(torch.float8_e4m3fn, (n, k)),
+            "weight_scale": TensorSpec(torch.float32, (n, 1), also=(torch.bfloat16, torch.float16)),
+        }
+    g = group_size(fmt)
+    specs = {
+        "weight_packed": TensorSpec(torch.uint8, (n, k // 2)),
+        "weight_scale": TensorSpec(torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn, (n, k // g)),
+    }
+    if fmt == "nvfp4":
+        specs["weight_global_scale"] = TensorSpec(torch.float32, (1,))
+    return specs
+
+
+def _row_chunks(rows: int, cols: int) -> Iterable[slice]:
+    step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
+    for start in range(0, rows, step):
+        yield slice(start, min(start + step, rows))
+
+
+def _check_weight(weight: torch.Tensor, fmt: str) -> None:
+    if weight.ndim != 2:
+        raise ValueError(f"expected a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
+    g = group_size(fmt)
+    if g is not None and weight.shape[1] % g:
+        raise ValueError(f"{fmt} quantizes groups of {g} input columns, but the weight has {weight.shape[1]}")
+
+
+def nvfp4_global_scale(weights: Iterable[torch.Tensor]) -> torch.Tensor:
+    """One NVFP4 global scale for weights that vLLM fuses into one layer.
+
+    vLLM applies a single global scale to a fused layer, so its shards must share one; taking it
+    from the largest magnitude of all of them is llmcompressor's
+    ``update_fused_layer_weight_global_scales`` (the minimum of the shards' own global scales).
+    """
+    lo, hi = zip(*(torch.aminmax(w.detach()) for w in weights))
+    return generate_gparam(torch.stack(lo).min().float(), torch.stack(hi).max().float())
+
+
+def _scales(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> torch.Tensor:
+    args = _scheme(fmt).weights
+    if args.strategy == QuantizationStrategy.CHANNEL:
+        scale, _ = calculate_qparams(x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True), args)
+    else:
+        scale, _ = compute_dynamic_scales_and_zp(x, args, module=None, global_scale=global_scale)
+    return scale
+
+
+@torch.no_grad()
+def quantize_weight(
+    weight: torch.Tensor, fmt: str, *, global_scale: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Quantize a [N, K] weight to ``fmt``: ``{suffix: tensor}`` as in :func:`quantized_tensor_specs`.
+
+    Runs on ``weight``'s device. ``global_scale`` (nvfp4 only) is the fused group's shared scale
+    from :func:`nvfp4_global_scale`; by default the weight's own.
+    """
+    _check_weight(weight, fmt)
+    if global_scale is not None and fmt != "nvfp4":
+        raise ValueError(f"only nvfp4 has a global scale, not {fmt}")
+    if fmt == "nvfp4" and global_scale is None:
+        global_scale = nvfp4_global_scale([weight])
+    if global_scale is not None:
+        global_scale = global_scale.to(device=weight.device, dtype=torch.float32).reshape(1)
+    scheme, compressor = _scheme(fmt), _compressor(fmt)
+    pieces: list[dict[str, torch.Tensor]] = []
+    # compressed-tensors' FP4 rounding is a torch.compile'd function: compiling it costs seconds per
+    # new shape, is unsafe from several threads (--workers), and is no faster than eager here.
+    with torch.compiler.set_stance("force_eager"):
+        for rows in _row_chunks(*weight.shape):
+            x = weight[rows].float()
+            state = {"weight": x, "weight_scale": _scales(x, fmt, global_scale)}
+            if global_scale is not None:
+                state["weight_global_scale"] = global_scale
+            pieces.append(compressor.compress(state, scheme))
+    out = {suffix: torch.cat([p[suffix] for p in pieces]) for suffix in pieces[0] if suffix != "weight_global_scale"}
+    if global_scale is not None:
+        out["weight_global_scale"] = global_scale
+    return out
+
+
+@torch.no_grad()
+def dequantize_weight(tensors: dict[str, torch.Tensor], fmt: str, shape: tuple[int, int]) -> torch.Tensor:
+    """float32 [N, K] weight back from ``tensors`` (suffix -> tensor), by compressed-tensors' decompressor."""
+    weight = _compressor(fmt).decompress(dict(tensors), _scheme(fmt))["weight"]
+    if tuple(weight.shape) != tuple(shape):
+        raise ValueError(f"{fmt} tensors decompress to {tuple(weight.shape)}, expected {tuple(shape)}")
+    return weight.float()
+
+
+@torch.no_grad()
+def weight_snr_db(weight: torch.Tensor, tensors: dict[str, torch.Tensor], fmt: str) -> float:
+    """10 log10(|W|^2 / |W - dequant(Q)|^2) of a quantized weight, dequantized chunk by chunk."""
+    signal = noise = 0.0
+    for rows in _row_chunks(*weight.shape):
+        chunk = {s: t if s == "weight_global_scale" else t[rows] for s, t in tensors.items()}
+        ref = weight[rows].float()
+        approx = dequantize_weight(chunk, fmt, tuple(ref.shape))
+        signal += float(ref.double().square().sum())
+        noise += float((ref - approx).double().square().sum())
+    if noise == 0.0:
+        return float("inf")
+    if signal == 0.0:
+        return float("-inf")
+    return 10.0 * torch.log10(torch.tensor(signal / noise, dtype=torch.float64)).item()
+
+
+def fused_module_groups(module_names: Iterable[str]) -> dict[str, list[str]]:
+    """``{runtime fused layer: its checkpoint modules}`` for the modules vLLM fuses into one layer.
+
+    Each group takes one quantization decision and, for NVFP4, one global scale. gate_proj and
+    up_proj pair up per layer (``layers.3.mlp.gate_up_proj``); q_a_proj and kv_a_proj_with_mqa form
+    one group across all layers (``self_attn.fused_qkv_a_proj``), because the K3 drafter's
+    context_kv_proj stacks every layer's kv_a_proj_with_mqa into one more fused layer.
+    """
+    groups: dict[str, list[str]] = {}
+    for name in module_names:
+        kind = module_kind(name)
+        for fused, members in FUSED_GROUPS.items():
+            if kind in members:
+                key = fused if fused == _CROSS_LAYER_FUSED else name[: len(name) - len(kind)] + fused
+                groups.setdefault(key, []).append(name)
+    return {fused: names for fused, names in groups.items() if len(names) > 1}
+
+
+# --- quantization_config --------------------------------------------------------------------
+
+def _why_not_quantizable(kind: str) -> str:
+    if kind == "markov_head.markov_w2":
+        return "the Markov head's bias reaches every drafted token's logits, and vLLM builds it without a quant config"
+    if kind == "confidence_head.proj":
+        return "the confidence head runs in fp32 and decides draft lengths"
+    if kind in ("embed_tokens", "markov_head.markov_w1"):
+        return "an embedding table (a row lookup, not a matmul)"
+    return "a norm (tiny, and it sets the scale of everything after it)"
+
+
+def validate_include_kinds(include_kinds: Sequence[str], fmt: str, config: "K3DSparkConfig") -> tuple[str, ...]:
+    """The included kinds in checkpoint order; ``ValueError`` naming the fix for any bad choice."""
+    _check_format(fmt)
+    kinds = list(dict.fromkeys(include_kinds))
+    if not kinds:
+        raise ValueError(f"--include_layers is empty; choose from: {' '.join(QUANTIZABLE_KINDS)}")
+    unknown = [k for k in kinds if k not in LAYER_KINDS and k not in GLOBAL_KINDS]
+    if unknown:
+        raise ValueError(
+            f"unknown layer name(s) in --include_layers: {', '.join(map(repr, unknown))}. Layer names are "
+            f"index-agnostic module kinds; valid ones: {' '.join(QUANTIZABLE_KINDS)}"
+        )
+    specs = {s.kind: s for s in checkpoint_modules(config)}
+    refused = [k for k in kinds if k not in QUANTIZABLE_KINDS]
+    if refused:
+        reasons = "; ".join(f"{k!r} is {_why_not_quantizable(k)}" for k in refused)
+        raise ValueError(
+            f"{', '.join(map(repr, refused))} cannot be quantized (they stay bit-identical BF16): {reasons}. "
+            f"Quantizable layers: {' '.join(QUANTIZABLE_KINDS)}"
+        )
+    validate_fused_decision(set(kinds))
+    g = group_size(fmt)
+    if g is not None:
+        bad = [f"{k} (in_features {specs[k].shape[1]})" for k in kinds if k in specs and specs[k].shape[1] % g]
+        if bad:
+            raise ValueError(f"{fmt} quantizes groups of {g} input columns, which does not divide {', '.join(bad)}")
+    return tuple(k for k in QUANTIZABLE_KINDS if k in kinds)
+
+
+def quantization_config(fmt: str, include_kinds: Sequence[str], config: "K3DSparkConfig") -> dict[str, Any]:
+    """The ``quantization_config`` block of config.json for quantizing ``include_kinds`` to ``fmt``.
+
+    One config group whose targets are index-agnostic ``re:`` patterns of the included kinds, and
+    an ignore list with a pattern for every other module kind that has weights: vLLM renumbers
+    the draft layers after the target's (``model.layers.93...``), so per-layer names would miss.
+    """
+    kinds = validate_include_kinds(include_kinds, fmt, config)
+    present = dict.fromkeys(spec.kind for spec in checkpoint_modules(config))
+    scheme = _scheme(fmt).model_copy(update={"targets": [kind_regex(k) for k in kinds]})
+    qc = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format=scheme.format,
+        quantization_status=QuantizationStatus.COMPRESSED,
+        ignore=[kind_regex(k) for k in present if k not in kinds],
+    )
+    return qc.model_dump(mode="json")
+
+
+# --- reading a quantization_config ------------------------------------------------------------
+
+
+def _group_format(scheme: QuantizationScheme, top_format: str | None) -> str:
+    """Which of :data:`FORMATS` a config group is; ``ValueError`` if none."""
+    if scheme.input_activations is not None or scheme.output_activations is not None:
+        raise ValueError("the config group quantizes activations; only weight-only formats are supported here")
+    w = scheme.weights
+    if w is None:
+        raise ValueError("the config group has no weight quantization")
+    fields = ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic", "scale_dtype")
+    for fmt in FORMATS:
+        ref = _scheme(fmt).weights
+        # fp8 scales are plain floats: scale_dtype is not part of its contract.
+        if all(getattr(w, f) == getattr(ref, f) for f in fields if not (fmt == "fp8" and f == "scale_dtype")):
+            stored_as = scheme.format or top_format
+            if stored_as not in ACCEPTED_FORMAT_STRINGS[fmt]:
+                raise ValueError(
+                    f"the config group is {fmt} but its format is {stored_as!r}; vLLM loads {fmt} only as "
+                    f"{' or '.join(ACCEPTED_FORMAT_STRINGS[fmt])}"
+                )
+            return fmt
+    raise ValueError(
+        f"unsupported weight scheme ({', '.join(f'{f}={getattr(w, f)!r}' for f in fields)}); supported: "
+        "fp8 per-channel, mxfp4 (groups of 32, E8M0 scales), nvfp4 (groups of 16, E4M3 scales)"
+    )
+
+
+def _parse(quantization_config: dict[str, Any]) -> QuantizationConfig:
+    if quantization_config.get("quant_method") != "compressed-tensors":
+        raise ValueError(
+            f"quant_method is {quantization_config.get('quant_method')!r}; only 'compressed-tensors' is supported"
+        )
+    return QuantizationConfig.model_validate(quantization_config)
+
+
+def group_formats(quantization_config: dict[str, Any]) -> dict[str, str]:
+    """``{config group name: fmt}``; ``ValueError`` for a group that is none of :data:`FORMATS`."""
+    qc = _parse(quantization_config)
+    formats = {}
+    for name, scheme in qc.config_groups.items():
+        try:
+            formats[name] = _group_format(scheme, qc.format)
+        except ValueError as e:
+            raise ValueError(f"config group {name!r}: {e}") from None
+    return formats
+
+
+def format_of(quantization_config: dict[str, Any]) -> str:
+    """The one format a ``quantization_config`` stores its weights in."""
+    found = set(group_formats(quantization_config).values())
+    if len(found) != 1:
+        raise ValueError(f"expected one weight format across config groups, found {sorted(found) or 'none'}")
+    return found.pop()
+
+
+def _glob_problem(where: str, entry: str) -> str:
+    pattern = re.escape(entry).replace(r"\*", ".*").replace(r"\?", ".")
+    return (
+        f"{where} entry {entry!r} is a shell glob, but compressed-tensors matches only exact module names "
+        f"or 're:' regexes, so it never matches anything; write 're:.*{pattern}' instead"
+    )
+
+
+@dataclass
+class ModuleMatch:
+    """How a ``quantization_config`` applies to a list of HF module names."""
+
+    quantized: dict[str, str] = field(default_factory=dict)  # name -> fmt
+    ignored: list[str] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)  # neither targeted nor ignored: unquantized
+    problems: list[str] = field(default_factory=list)
+    parsed: bool = True  # False when the config itself is unreadable: then nothing was matched
+
+
+def match_modules(quantization_config: dict[str, Any], module_names: Sequence[str]) -> ModuleMatch:
+    """Apply compressed-tensors matching (exact or ``re:``, ignore wins) and collect every problem.
+
+    Problems: a group in no supported format, glob entries (never match), module-class targets
+    (this check cannot resolve them from names), and modules both targeted and ignored.
+    """
+    result = ModuleMatch()
+    try:
+        formats = group_formats(quantization_config)
+        qc = _parse(quantization_config)
+    except ValueError as e:
+        result.problems.append(str(e))
+        result.parsed = False
+        return result
+    ignore = list(qc.ignore or [])
+    targets = [(t, formats[g]) for g, scheme in qc.config_groups.items() for t in scheme.targets]
+    for where, entries in (("ignore", ignore), ("target", [t for t, _ in targets])):
+        result.problems += [_glob_problem(where, e) for e in entries if not e.startswith("re:") and _GLOB_CHARS & set(e)]
+    known = set(module_names)
+    result.problems += [
+        f"target {t!r} is a module-class name: vLLM would apply it to every layer of that class, including "
+        "the fused fused_qkv_a_proj and context_kv_proj, which names cannot describe; target modules with "
+        "index-agnostic 're:' patterns instead (vllm-dspark quantize writes them)"
+        for t, _ in targets
+        if t[:1].isupper() and "." not in t and t not in known
+    ]
+    overlap = []
+    for name in module_names:
+        target = next(((t, fmt) for t, fmt in targets if match_name(name, t)), None)
+        ignored_by = next((i for i in ignore if match_name(name, i)), None)
+        if target and ignored_by:
+            overlap.append(f"{name} (target {target[0]!r}, ignore {ignored_by!r})")
+        elif ignored_by:
+            result.ignored.append(name)
+        elif target:
+            result.quantized[name] = target[1]
+        else:
+            result.unmatched.append(name)
+    if overlap:
+        result.problems.append(
+            f"{len(overlap)} module(s) are both targeted and ignored: {'; '.join(overlap)}. compressed-tensors "
+            "lets ignore win, so these stay unquantized: drop them from one of the two lists"
+        )
+    return result
+
+
+def quantized_modules(quantization_config: dict[str, Any], module_names: Sequence[str]) -> dict[str, str]:
+    """``{HF module name: fmt}`` of the modules in ``module_names`` that the config quantizes.
+
+    Raises ``ValueError`` on target/ignore overlap, glob-style entries, module-class targets, or
+    a config group in no supported format.
+    """
+    match = match_modules(quantization_config, module_names)
+    if match.problems:
+        raise ValueError("; ".join(match.problems))
+    return match.quantized

@@ -1,0 +1,380 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-dspark quantize``: weight-only FP8 / MXFP4 / NVFP4 quantization of a drafter checkpoint.
+
+Writes the compressed-tensors format vLLM's loader reads: the included linears are replaced by
+their quantized tensors (see :mod:`vllm_dspark.formats`), every other tensor is copied
+bit-identical, and config.json gains one ``quantization_config`` whose single config group
+targets the included module kinds and ignores every other module with weights, with
+index-agnostic ``re:`` patterns (vLLM renumbers the draft layers after the target's).
+
+The checkpoint streams through tensor by tensor, so peak memory stays near the largest tensor
+(the 2.3 GB embedding for Kimi-K3), not the model; ``--workers N`` quantizes N tensors at once.
+A report (``quantization_report.json`` and ``.md``) gives per module and overall the params
+quantized, the size before and after, and the weight SNR in dB.
+
+No calibration, and SmoothQuant stays off. SmoothQuant migrates activation outliers into the
+weights (input column j of W scaled by s_j, the activation by 1/s_j) to make *activation*
+quantization easier. Here the activations are not quantized at all (weight-only, BF16 compute),
+and on the weight side per-output-channel FP8 is invariant to per-column rescaling: E4M3 is a
+floating-point format, so an element's relative rounding error does not depend on its magnitude,
+and scaling column j by s_j and undoing it returns the same error (exactly, for power-of-two s_j
+away from the ends of the range). Smoothing can only redistribute error between columns at the
+edges of the range, never remove it; the published FP8 build turned it off for the same reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from vllm_dspark import formats
+from vllm_dspark.check import StoredTensor, human_bytes, human_params, stored_tensors
+from vllm_dspark.checkpoint import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    expected_tensor_shapes,
+    load_config,
+    read_config_json,
+    save_drafter,
+    validate_tensor_shapes,
+)
+from vllm_dspark.layout import FP8_RECIPE, QUANTIZABLE_KINDS, ModuleSpec, checkpoint_modules
+
+REPORT_NAME = "quantization_report"
+TARGET_DIR = "target"
+_UNQUANTIZED_DTYPES = ("BF16", "F16", "F32")
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+class Refusal(ValueError):
+    """A request the quantizer turns down; ``main`` prints it and exits 2."""
+
+
+@dataclass(frozen=True)
+class ModuleStats:
+    """One quantized module's line in the report."""
+
+    module: str
+    kind: str
+    layer: int | None
+    format: str
+    params: int
+    bytes_before: int
+    bytes_after: int
+    snr_db: float
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One input tensor: copied, or quantized as ``module`` in ``fmt``."""
+
+    key: str
+    module: ModuleSpec | None = None
+    fmt: str | None = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    config_json: dict[str, Any]  # the output's config.json
+    kinds: tuple[str, ...]  # the included module kinds
+    items: list[_Item]  # every input tensor, in checkpoint order
+    stored: dict[str, StoredTensor]
+
+
+def _read(stored: dict[str, StoredTensor], key: str) -> torch.Tensor:
+    with safe_open(str(stored[key].shard), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def _ordered_map(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> Iterator[_R]:
+    """``map(fn, items)`` on ``workers`` threads, in order, with at most ``workers`` results pending.
+
+    Threads suffice: torch releases the GIL in its kernels. The bound keeps memory at about
+    ``workers`` tensors in flight instead of the whole model.
+    """
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="quantize") as pool:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
+    """Validate the request against the checkpoint, before anything is written."""
+    raw = read_config_json(model_dir)
+    if raw.get("quantization_config") is not None:
+        found = raw["quantization_config"]
+        try:
+            found = formats.format_of(found)
+        except ValueError:
+            found = found.get("format", "unknown")
+        raise Refusal(f"{model_dir} is already quantized (config.json has a {found} quantization_config). "
+                      "Quantize the BF16 checkpoint instead; quantizing twice compounds the error.")
+    config = load_config(model_dir)
+    kinds = formats.validate_include_kinds(include_layers, fmt, config)
+    stored = stored_tensors(model_dir)
+    quantized_already = sorted(k for k, t in stored.items() if t.dtype not in _UNQUANTIZED_DTYPES)
+    if quantized_already:
+        raise Refusal(f"{model_dir} holds already-quantized tensors ({', '.join(quantized_already[:4])}"
+                      f"{', ...' if len(quantized_already) > 4 else ''} are {stored[quantized_already[0]].dtype}). "
+                      "Quantize the BF16 checkpoint instead.")
+    validate_tensor_shapes({k: t.shape for k, t in stored.items()}, expected_tensor_shapes(config),
+                           source=f"checkpoint {model_dir}", config=config)
+    items = []
+    for spec in checkpoint_modules(config):
+        fmt_here = fmt if spec.kind in kinds else None
+        items.append(_Item(f"{spec.name}.weight", spec if fmt_here else None, fmt_here))
+        if spec.bias:
+            items.append(_Item(f"{spec.name}.bias"))
+    raw = dict(raw, quantization_config=formats.quantization_config(fmt, kinds, config))
+    return _Plan(raw, kinds, items, stored)
+
+
+def _global_scales(items: list[_Item], stored: dict[str, StoredTensor], device: str) -> dict[str, torch.Tensor]:
+    """NVFP4: one global scale per fused group (gate/up per layer, q_a/kv_a across layers)."""
+    quantized = {item.module.name: item.key for item in items if item.fmt == "nvfp4"}
+    scales = {}
+    for members in formats.fused_module_groups(quantized).values():
+        shared = formats.nvfp4_global_scale(_read(stored, quantized[m]).to(device) for m in members)
+        scales.update(dict.fromkeys(members, shared))
+    return scales
+
+
+def _process(
+    item: _Item, stored: dict[str, StoredTensor], device: str, global_scales: dict[str, torch.Tensor]
+) -> tuple[list[tuple[str, torch.Tensor]], ModuleStats | None]:
+    tensor = _read(stored, item.key)
+    if item.fmt is None:
+        return [(item.key, tensor)], None  # copied as read: same dtype, same bytes
+    spec = item.module
+    weight = tensor.to(device)
+    parts = formats.quantize_weight(weight, item.fmt, global_scale=global_scales.get(spec.name))
+    snr = formats.weight_snr_db(weight, parts, item.fmt)
+    out = [(f"{spec.name}.{suffix}", parts[suffix].cpu()) for suffix in formats.quantized_tensor_specs(item.fmt, spec.shape)]
+    stats = ModuleStats(
+        module=spec.name, kind=spec.kind, layer=spec.layer, format=item.fmt, params=tensor.numel(),
+        bytes_before=stored[item.key].nbytes, bytes_after=sum(t.numel() * t.element_size() for _, t in out), snr_db=snr,
+    )
+    return out, stats
+
+
+def _prepare_output(model_dir: Path, output_dir: Path, overwrite: bool) -> Path:
+    """Refuse a bad output dir; return the sibling staging dir the checkpoint is written into."""
+    if output_dir.resolve() == model_dir.resolve() or model_dir.resolve() in output_dir.resolve().parents:
+        raise Refusal(f"--output_dir {output_dir} is (inside) the input --model_dir; write the quantized "
+                      "checkpoint somewhere else.")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise Refusal(f"--output_dir {output_dir} exists and is not a directory.")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        raise Refusal(f"--output_dir {output_dir} exists and is not empty; pass --overwrite to replace its "
+                      "contents, or choose another directory.")
+    staging = output_dir.parent / f".{output_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _copy_other_files(model_dir: Path, staging: Path) -> None:
+    """Copy what is not weights or config (tokenizer, README, the target's shared heads) along."""
+    skip = {CONFIG_NAME, INDEX_NAME}
+    for path in model_dir.iterdir():
+        if path.is_file() and path.name not in skip and path.suffix != ".safetensors":
+            shutil.copy2(path, staging / path.name)
+    if (model_dir / TARGET_DIR).is_dir():
+        shutil.copytree(model_dir / TARGET_DIR, staging / TARGET_DIR)
+
+
+def _summarise(
+    fmt: str, kinds: Sequence[str], modules: list[ModuleStats], stored: dict[str, StoredTensor],
+    bytes_after: int, seconds: float,
+) -> dict[str, Any]:
+    params_total = sum(math.prod(t.shape) for t in stored.values())
+    params_quantized = sum(m.params for m in modules)
+    bytes_before = sum(t.nbytes for t in stored.values())
+    per_kind = []
+    for kind in dict.fromkeys(m.kind for m in modules):
+        of_kind = [m for m in modules if m.kind == kind]
+        per_kind.append({
+            "kind": kind, "modules": len(of_kind), "params": sum(m.params for m in of_kind),
+            "snr_db_mean": sum(m.snr_db for m in of_kind) / len(of_kind), "snr_db_min": min(m.snr_db for m in of_kind),
+        })
+    snrs = [m.snr_db for m in modules]
+    return {
+        "format": fmt,
+        "include_layers": list(kinds),
+        "overall": {
+            "modules_quantized": len(modules),
+            "params_total": params_total,
+            "params_quantized": params_quantized,
+            "fraction_quantized": params_quantized / params_total,
+            "bytes_before": bytes_before,
+            "bytes_after": bytes_after,
+            "gib_before": bytes_before / 2**30,
+            "gib_after": bytes_after / 2**30,
+            "snr_db_mean": sum(snrs) / len(snrs),
+            "snr_db_min": min(snrs),
+            "seconds": seconds,
+            "input_gb_per_s": bytes_before / seconds / 1e9,
+        },
+        "per_kind": per_kind,
+        "modules": [asdict(m) for m in modules],
+    }
+
+
+def _report_markdown(report: dict[str, Any]) -> str:
+    o = report["overall"]
+    lines = [
+        f"# Quantization report: {report['format']} weight-only",
+        "",
+        f"{human_params(o['params_quantized'])} of {human_params(o['params_total'])} params quantized "
+        f"({100 * o['fraction_quantized']:.1f} %), {o['modules_quantized']} modules; "
+        f"{human_bytes(o['bytes_before'])} -> {human_bytes(o['bytes_after'])}; "
+        f"weight SNR mean {o['snr_db_mean']:.2f} dB, min {o['snr_db_min']:.2f} dB.",
+        "",
+        "| kind | modules | params | SNR mean dB | SNR min dB |",
+        "|---|---|---|---|---|",
+        *(f"| {k['kind']} | {k['modules']} | {k['params']:,} | {k['snr_db_mean']:.2f} | {k['snr_db_min']:.2f} |"
+          for k in report["per_kind"]),
+        "",
+        "| module | params | MiB before | MiB after | SNR dB |",
+        "|---|---|---|---|---|",
+        *(f"| {m['module']} | {m['params']:,} | {m['bytes_before'] / 2**20:.2f} | {m['bytes_after'] / 2**20:.2f} "
+          f"| {m['snr_db']:.2f} |" for m in report["modules"]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _write_quantized(plan: _Plan, staging: Path, fmt: str, device: str, workers: int, progress: bool) -> dict[str, Any]:
+    """Stream every tensor of ``plan`` through the quantizer into ``staging``; returns the report."""
+    items, stored = plan.items, plan.stored
+    start = time.perf_counter()
+    modules: list[ModuleStats] = []
+    written = 0
+    global_scales = _global_scales(items, stored, device) if fmt == "nvfp4" else {}
+    bar = tqdm(total=sum(stored[i.key].nbytes for i in items), unit="B", unit_scale=True,
+               desc=f"quantize {fmt}", disable=None if progress else True)
+
+    def output_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal written
+        results = _ordered_map(lambda item: _process(item, stored, device, global_scales), items, workers)
+        for item, (out, stats) in zip(items, results):
+            if stats is not None:
+                modules.append(stats)
+            for key, tensor in out:
+                written += tensor.numel() * tensor.element_size()
+                yield key, tensor
+            bar.update(stored[item.key].nbytes)
+
+    save_drafter(staging, plan.config_json, output_tensors())
+    bar.close()
+    return _summarise(fmt, plan.kinds, modules, stored, written, time.perf_counter() - start)
+
+
+def quantize_checkpoint(
+    model_dir: str | Path,
+    output_dir: str | Path,
+    fmt: str,
+    include_layers: Sequence[str] = FP8_RECIPE,
+    *,
+    device: str = "cpu",
+    workers: int = 1,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Quantize the drafter in ``model_dir`` into ``output_dir``; returns the report dict.
+
+    Raises :class:`Refusal` (a ``ValueError``) for anything it will not do, before writing. The
+    output is assembled in a staging directory next to ``output_dir`` and moved into place only
+    when complete, so a failed run leaves no half-written checkpoint.
+    """
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    if workers < 1:
+        raise Refusal(f"--workers must be at least 1, got {workers}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise Refusal("--device cuda, but torch sees no CUDA device; use --device cpu")
+    plan = _plan(model_dir, fmt, include_layers)
+    staging = _prepare_output(model_dir, output_dir, overwrite)
+    threads = torch.get_num_threads()
+    try:
+        # Workers split the cores between them instead of each fanning out over all of them.
+        torch.set_num_threads(max(1, threads // workers))
+        # Held for the whole run: the stance is process-global, and quantize_weight's own
+        # eager stance could otherwise lapse in one worker thread while another leaves it.
+        with torch.compiler.set_stance("force_eager"):
+            report = _write_quantized(plan, staging, fmt, device, workers, progress)
+        _copy_other_files(model_dir, staging)
+        (staging / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (staging / f"{REPORT_NAME}.md").write_text(_report_markdown(report))
+        if output_dir.exists():
+            shutil.rmtree(output_dir)
+        staging.rename(output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        torch.set_num_threads(threads)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vllm-dspark quantize",
+        description="Quantize a K3 DSpark drafter checkpoint to FP8 / MXFP4 / NVFP4 weight-only, in the "
+        "compressed-tensors format vLLM loads. Non-included tensors are copied bit-identical; a report "
+        f"({REPORT_NAME}.json/.md) gives params quantized, sizes and weight SNR.",
+        epilog="No calibration; SmoothQuant is off on purpose: it eases activation quantization, and here "
+        "activations stay BF16, while per-output-channel FP8 weights are invariant to per-column rescaling (a "
+        "float format's relative rounding error does not depend on magnitude), so smoothing can only "
+        "redistribute the error, never remove it.",
+    )
+    parser.add_argument("--model_dir", required=True, type=Path, help="the BF16 drafter checkpoint directory")
+    parser.add_argument("--output_dir", required=True, type=Path, help="where to write the quantized checkpoint")
+    parser.add_argument("--quant_format", required=True, choices=formats.FORMATS,
+                        help="fp8: E4M3 per output channel; mxfp4: E2M1, groups of 32, E8M0 scales; "
+                        "nvfp4: E2M1, groups of 16, E4M3 scales + a global scale")
+    parser.add_argument("--include_layers", nargs="+", default=list(FP8_RECIPE), metavar="KIND",
+                        help=f"module kinds to quantize, index-agnostic (default, the published FP8 build: "
+                        f"{' '.join(FP8_RECIPE)}); quantizable: {' '.join(QUANTIZABLE_KINDS)}")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where to quantize (default cpu)")
+    parser.add_argument("--workers", type=int, default=1, help="tensors quantized in parallel (default 1)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir")
+    args = parser.parse_args(argv)
+    try:
+        report = quantize_checkpoint(args.model_dir, args.output_dir, args.quant_format, args.include_layers,
+                                     device=args.device, workers=args.workers, overwrite=args.overwrite)
+    except (ValueError, OSError) as e:
+        print(f"vllm-dspark quantize: error: {e}", file=sys.stderr)
+        return 2
+    o = report["overall"]
+    print(f"quantized {o['modules_quantized']} modules to {args.quant_format}: {human_params(o['params_quantized'])} of "
+          f"{human_params(o['params_total'])} params ({100 * o['fraction_quantized']:.0f} %), "
+          f"{human_bytes(o['bytes_before'])} -> {human_bytes(o['bytes_after'])}, weight SNR mean {o['snr_db_mean']:.1f} dB "
+          f"(min {o['snr_db_min']:.1f}), {o['seconds']:.1f} s; wrote {args.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

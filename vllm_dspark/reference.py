@@ -1,0 +1,478 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Reference K3 DSpark drafter: the whole forward in plain PyTorch, the project's numerical oracle.
+
+It computes what vLLM's ``dspark`` speculator gets from ``K3DSparkForCausalLM``
+(``vllm/models/kimi_k3/nvidia/dspark_mla.py``), with no vLLM kernel:
+
+- context: the 5 target aux hidden states -> ``context_proj`` -> ``context_norm``; then per layer
+  ``kv_a_proj_with_mqa`` -> ``kv_a_layernorm`` on the 512-wide latent ++ RoPE on the 64-wide
+  ``k_pe``, at the context tokens' positions (the 576-element latent the target's KV pages hold);
+- block: ``[anchor, mask x (N-1)]`` at positions ``last+1 .. last+N``, embedded with the target's
+  embedding; per layer pre-norm MLA over ``[context latents ; block latents]``, non-causal, with the
+  DeepSeek-YaRN softmax scale, then a SwiGLU MLP; ``final_norm``;
+- heads: ``logit_scale * lm_head(h)``, the Markov rollout (:mod:`vllm_dspark.sampling`) and the
+  confidence head ``sigmoid(proj([h ; W1[y_{i-1}]]))``.
+
+Attention exists in two forms that must agree: the naive one up-projects every latent with
+``kv_b_proj``; the absorbed one (what the GPU kernels run) folds ``W_UK`` into the query and applies
+``W_UV`` after attending over the latents.
+
+Module and parameter names mirror the checkpoint, so ``state_dict()`` keys are the HF keys (plus
+the shared ``lm_head.weight``). Weights may be stored in a narrower dtype than ``compute_dtype``
+(a BF16 checkpoint in an FP32 reference) and are upcast per use; FP32 copies of BF16 values are
+exact, and this keeps the full-size drafter within a workstation's memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_dspark.checkpoint import load_config, load_drafter_state_dict, load_target_heads, validate_tensor_shapes
+from vllm_dspark.config import K3DSparkConfig
+from vllm_dspark.layout import tensor_shapes
+from vllm_dspark.rope import RotaryEmbedding, softmax_scale
+from vllm_dspark.sampling import markov_rollout
+
+__all__ = ["DraftOutput", "ReferenceDrafter"]
+
+# A weight stored narrower than the compute dtype is upcast a slab of output rows at a time into one
+# reused, cache-sized scratch buffer: upcasting whole weights would allocate (and page-fault in) a
+# fresh FP32 copy of every weight on every call, which at the real shapes costs more than the matmuls.
+_UPCAST_CHUNK_ELEMENTS = 1 << 20
+_scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape), requires_grad=False)
+
+
+def _scratch_buffer(dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+    buffer = _scratch.get((dtype, device))
+    if buffer is None or buffer.numel() < numel:
+        # A normal tensor, even when first needed under inference_mode, so later calls outside it may write it.
+        with torch.inference_mode(False):
+            buffer = _scratch[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` computed in ``x.dtype`` whatever the weight's storage dtype."""
+    if bias is not None:
+        bias = bias.to(x.dtype)
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    rows = max(1, _UPCAST_CHUNK_ELEMENTS // weight.shape[1])
+    scratch = _scratch_buffer(x.dtype, x.device, min(rows, weight.shape[0]) * weight.shape[1])
+    outs = []
+    for slab in weight.split(rows):
+        upcast = scratch[: slab.numel()].view(slab.shape)
+        upcast.copy_(slab)
+        outs.append(F.linear(x, upcast))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    return out if bias is None else out + bias
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.weight = _param(num_embeddings, dim)
+
+    def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return F.embedding(ids, self.weight).to(dtype)
+
+
+class RMSNorm(nn.Module):
+    """vLLM's RMSNorm: statistics in fp32, result cast back before the weight multiplies it."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(size)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight.to(x.dtype)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """K3 MLA with q-LoRA and RoPE on the 64-wide ``pe`` parts, attending non-causally over latents."""
+
+    def __init__(self, config: K3DSparkConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        c = config
+        self.num_heads = c.num_attention_heads
+        self.qk_nope_head_dim = c.qk_nope_head_dim
+        self.qk_rope_head_dim = c.qk_rope_head_dim
+        self.v_head_dim = c.v_head_dim
+        self.kv_lora_rank = c.kv_lora_rank
+        self.scale = softmax_scale(c.qk_nope_head_dim + c.qk_rope_head_dim, c.rope_parameters)
+        self.rope = rope
+        self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_b_proj = Linear(c.q_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim))
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = Linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim))
+        self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size)
+
+    def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[..., T, H]`` (normed), ``[..., T]`` -> ``[..., T, kv_lora_rank + rope]``: what the KV page holds."""
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(kv_c), self.rope(k_pe, positions)], dim=-1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        context_latent: torch.Tensor,
+        key_mask: torch.Tensor,
+        absorbed: bool,
+    ) -> torch.Tensor:
+        """Block ``x [B, N, H]`` (normed) at ``positions [B, N]`` attends over ``[context ; block]`` latents.
+
+        ``context_latent [B, T, kv_lora_rank + rope]``; ``key_mask [B, T + N]`` marks valid keys.
+        """
+        batch, block, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(batch, block, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_pe = self.rope(q_pe, positions)
+        latents = torch.cat([context_latent.to(x.dtype), self.latent(x, positions)], dim=1)
+        kv_c, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        attend = self._attend_absorbed if absorbed else self._attend_naive
+        out = attend(q_nope, q_pe, kv_c, k_pe, key_mask)  # [B, N, heads, v_head_dim]
+        return self.o_proj(out.flatten(-2))
+
+    def _softmax(self, scores: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        # scores [B, heads, N, S]; the softmax runs in fp32 as the attention kernels do.
+        scores = scores.float().masked_fill(~key_mask[:, None, None, :], float("-inf"))
+        return scores.softmax(dim=-1)
+
+    def _attend_naive(self, q_nope, q_pe, kv_c, k_pe, key_mask) -> torch.Tensor:
+        batch, keys, _ = kv_c.shape
+        kv = self.kv_b_proj(kv_c).view(batch, keys, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        # The rope part of the key is one MQA head shared by every query head.
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.num_heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        probs = self._softmax(torch.einsum("bnhd,bshd->bhns", q, k) * self.scale, key_mask).to(v.dtype)
+        return torch.einsum("bhns,bshd->bnhd", probs, v)
+
+    def _attend_absorbed(self, q_nope, q_pe, kv_c, k_pe, key_mask) -> torch.Tensor:
+        # kv_b_proj rows are per head [k_nope (P) ; v (V)], each a map from the kv_lora_rank latent.
+        w = self.kv_b_proj.weight.to(kv_c.dtype).view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        q_latent = torch.einsum("bnhp,hpl->bnhl", q_nope, w_uk)
+        scores = torch.einsum("bnhl,bsl->bhns", q_latent, kv_c) + torch.einsum("bnhr,bsr->bhns", q_pe, k_pe)
+        probs = self._softmax(scores * self.scale, key_mask).to(kv_c.dtype)
+        out_latent = torch.einsum("bhns,bsl->bnhl", probs, kv_c)
+        return torch.einsum("bnhl,hvl->bnhv", out_latent, w_uv)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden_size, intermediate_size)
+        self.up_proj = Linear(hidden_size, intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: K3DSparkConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MultiHeadLatentAttention(config, rope)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, positions, context_latent, key_mask, absorbed: bool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, context_latent, key_mask, absorbed)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MarkovHead(nn.Module):
+    """Low-rank transition bias ``W2 W1[y_prev]``: ``markov_w1`` is V x r, ``markov_w2`` is V x r."""
+
+    def __init__(self, config: K3DSparkConfig) -> None:
+        super().__init__()
+        self.markov_w1 = Embedding(config.vocab_size, config.markov_rank)
+        self.markov_w2 = Linear(config.markov_rank, config.draft_vocab_size)
+
+
+class ConfidenceHead(nn.Module):
+    """One fp32 logit per drafted position, from ``[h ; W1[y_{i-1}]]`` or from ``h`` alone."""
+
+    def __init__(self, config: K3DSparkConfig) -> None:
+        super().__init__()
+        self.with_markov = bool(config.confidence_head_with_markov)
+        self.proj = Linear(config.hidden_size + (config.markov_rank if self.with_markov else 0), 1, bias=True)
+
+    def forward(self, hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([hidden, markov_embed.to(hidden.dtype)], dim=-1) if self.with_markov else hidden
+        return self.proj(x.float()).squeeze(-1)
+
+
+@dataclass
+class DraftOutput:
+    """One drafted block per request (B requests, N = block_size, vocabulary V, Markov rank r)."""
+
+    tokens: torch.Tensor  # [B, N] int64
+    logits: torch.Tensor  # [B, N, V] fp32, pre-temperature, Markov bias included
+    confidences: torch.Tensor | None  # [B, N] fp32 in (0, 1); None without a confidence head
+    markov_embeds: torch.Tensor  # [B, N, r] W1[y_{i-1}]
+    hidden: torch.Tensor  # [B, N, H] post-final-norm block hidden states
+    block_positions: torch.Tensor  # [B, N] int64 positions last+1 .. last+N
+
+
+class ReferenceDrafter(nn.Module):
+    """The K3 DSpark drafter in plain PyTorch. Build it with :meth:`from_pretrained` or :meth:`from_state_dict`."""
+
+    def __init__(self, config: K3DSparkConfig, *, compute_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        c = config
+        self.config = config
+        self.compute_dtype = compute_dtype
+        rope = RotaryEmbedding.from_rope_parameters(c.rope_parameters, c.qk_rope_head_dim)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
+        self.context_proj = Linear(c.target_hidden_size * c.num_target_layers, c.hidden_size)
+        self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c, rope) for _ in range(c.num_hidden_layers))
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.markov_head = MarkovHead(c)
+        self.confidence_head = ConfidenceHead(c) if c.enable_confidence_head else None
+        self.lm_head = Linear(c.hidden_size, c.draft_vocab_size)
+
+    # ----- construction -----
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: K3DSparkConfig,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        embed_tokens: torch.Tensor,
+        lm_head: torch.Tensor,
+        compute_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> ReferenceDrafter:
+        """Build from HF-keyed, already dequantized tensors and the target's embedding / lm_head.
+
+        A ``embed_tokens.weight`` in ``state_dict`` is ignored: the drafter uses the target's.
+        Tensors wider than ``compute_dtype`` are narrowed to it; narrower ones are kept and upcast
+        per use. The confidence head is kept in fp32, as vLLM keeps it.
+        """
+        weights = {k: v for k, v in state_dict.items() if k != "embed_tokens.weight"}
+        expected: dict[str, tuple[int, ...] | None] = dict(tensor_shapes(config))
+        del expected["embed_tokens.weight"]
+        validate_tensor_shapes({k: tuple(v.shape) for k, v in weights.items()}, expected,
+                               source="state_dict", config=config)
+        heads_shape = (config.vocab_size, config.hidden_size)
+        for name, tensor in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+            if tuple(tensor.shape) != heads_shape:
+                raise ValueError(f"target {name} has shape {tuple(tensor.shape)}, but the drafter's config needs "
+                                 f"{heads_shape} (vocab_size, hidden_size). Fix: pass the target the drafter "
+                                 "was trained for.")
+        weights["embed_tokens.weight"] = embed_tokens
+        weights["lm_head.weight"] = lm_head
+
+        def stored(key: str, tensor: torch.Tensor) -> torch.Tensor:
+            if key.startswith("confidence_head."):
+                return tensor.to(device, torch.float32)
+            if tensor.dtype.itemsize > compute_dtype.itemsize:
+                return tensor.to(device, compute_dtype)
+            return tensor.to(device)
+
+        with torch.device("meta"):
+            model = cls(config, compute_dtype=compute_dtype)
+        model.load_state_dict({k: stored(k, v) for k, v in weights.items()}, strict=True, assign=True)
+        return model.eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        *,
+        target_dir: str | Path | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> ReferenceDrafter:
+        """Load a drafter directory; the embedding and lm_head come from ``target_dir``.
+
+        ``target_dir`` defaults to ``model_dir/target`` (what ``vllm-dspark make-random`` writes).
+        BF16 weights stay BF16 in memory under FP32 compute; quantized weights are dequantized once,
+        in fp32 for an fp32 reference and in bf16 for bf16 compute.
+        """
+        model_dir = Path(model_dir)
+        load_config(model_dir)  # a broken drafter directory is the first thing to report
+        if target_dir is None:
+            target_dir = model_dir / "target"
+            if not target_dir.exists():
+                raise ValueError(f"no target given and {target_dir} does not exist. Fix: pass the target model "
+                                 "directory (--target), whose embedding and lm_head the drafter shares.")
+        load_dtype = None if compute_dtype == torch.float32 else compute_dtype
+        config, state_dict = load_drafter_state_dict(model_dir, dtype=load_dtype)
+        state_dict.pop("embed_tokens.weight", None)
+        embed_tokens, lm_head = load_target_heads(target_dir, dtype=load_dtype)
+        return cls.from_state_dict(config, state_dict, embed_tokens=embed_tokens, lm_head=lm_head,
+                                   compute_dtype=compute_dtype, device=device)
+
+    # ----- the hooks vLLM's speculator calls, as pure tensor functions -----
+
+    def combine_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:
+        """``[..., T, num_target_layers * target_hidden]`` -> ``[..., T, H]``: context_proj -> context_norm."""
+        return self.context_norm(self.context_proj(aux.to(self.compute_dtype)))
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[B, T, H]``, ``[B, T]`` -> ``[L, B, T, kv_lora_rank + rope]``: every layer's context latents.
+
+        The context skips the layers' input_layernorm and query path: it only feeds the KV pages.
+        """
+        context = context.to(self.compute_dtype)
+        return torch.stack([layer.self_attn.latent(context, positions) for layer in self.layers])
+
+    def block_input_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """``[B]`` -> ``[B, N]``: the anchor followed by ``block_size - 1`` mask tokens."""
+        masks = anchor_ids.new_full((anchor_ids.shape[0], self.config.block_size - 1), self.config.mask_token_id)
+        return torch.cat([anchor_ids[:, None], masks], dim=1)
+
+    def block_hidden(
+        self,
+        anchor_ids: torch.Tensor,
+        context_kv: torch.Tensor,
+        block_positions: torch.Tensor,
+        *,
+        context_mask: torch.Tensor | None = None,
+        absorbed: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The block's post-final-norm hidden states ``[B, N, H]``.
+
+        Args:
+            anchor_ids: ``[B]`` anchor tokens.
+            context_kv: ``[L, B, T, kv_lora_rank + rope]`` from :meth:`context_kv`.
+            block_positions: ``[B, N]`` positions of the block slots.
+            context_mask: ``[B, T]`` bool, False for padding in a batch of unequal contexts.
+            absorbed: attend in the absorbed MLA form (``W_UK`` folded into q) instead of the naive one.
+            inputs_embeds: ``[B, N, H]`` to replace the embedded ``[anchor, mask...]`` block input.
+        """
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(self.block_input_ids(anchor_ids), self.compute_dtype)
+        x = inputs_embeds.to(self.compute_dtype)
+        batch, block, _ = x.shape
+        num_context = context_kv.shape[2]
+        if context_mask is None:
+            context_mask = torch.ones(batch, num_context, dtype=torch.bool, device=x.device)
+        key_mask = torch.cat([context_mask.bool(), context_mask.new_ones(batch, block, dtype=torch.bool)], dim=1)
+        for layer, context_latent in zip(self.layers, context_kv):
+            x = layer(x, block_positions, context_latent, key_mask, absorbed)
+        return self.final_norm(x)
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``logit_scale * lm_head(h)`` in fp32 ``[..., V]``."""
+        return self.lm_head(hidden.to(self.compute_dtype)).float() * self.config.logit_scale
+
+    def markov_embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """r-dim Markov embedding ``W1[token]`` (``[...] -> [..., r]``)."""
+        return self.markov_head.markov_w1(token_ids, self.compute_dtype)
+
+    def markov_bias(self, m: torch.Tensor) -> torch.Tensor:
+        """``logit_scale * m @ W2^T`` in fp32 (``[..., r] -> [..., V]``)."""
+        return self.markov_head.markov_w2(m.to(self.compute_dtype)).float() * self.config.logit_scale
+
+    def confidence(self, hidden: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """Probability in (0, 1) that each drafted token is accepted given its prefix was (``[...]``)."""
+        if self.confidence_head is None:
+            raise ValueError("this drafter has no confidence head (enable_confidence_head is false in its config).")
+        return torch.sigmoid(self.confidence_head(hidden, m))
+
+    # ----- one block end to end -----
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        aux: torch.Tensor,
+        context_positions: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        *,
+        temperature: float | torch.Tensor = 0.0,
+        seeds: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+        absorbed: bool = False,
+    ) -> DraftOutput:
+        """Draft one block per request.
+
+        Args:
+            aux: ``[B, T, num_target_layers * target_hidden_size]`` the target's aux hidden states
+                (layers ``target_layer_ids``, concatenated in ascending order) at the context tokens.
+            context_positions: ``[B, T]`` int64 positions of the context tokens.
+            anchor_ids: ``[B]`` int64 last verified token of each request.
+            temperature: float or ``[B]``; 0 = greedy.
+            seeds: ``[B]`` int64, needed when sampling.
+            context_mask: ``[B, T]`` bool, False marks padding; the block starts after the last
+                valid position of each request.
+        """
+        self._check_draft_inputs(aux, context_positions, anchor_ids, context_mask)
+        if context_mask is None:
+            last = context_positions.max(dim=1).values
+        else:
+            last = context_positions.masked_fill(~context_mask, torch.iinfo(context_positions.dtype).min).max(1).values
+        offsets = torch.arange(1, self.config.block_size + 1, device=last.device)
+        block_positions = last[:, None] + offsets
+
+        context = self.combine_hidden_states(aux)
+        hidden = self.block_hidden(anchor_ids, self.context_kv(context, context_positions), block_positions,
+                                   context_mask=context_mask, absorbed=absorbed)
+        rollout = markov_rollout(self.base_logits(hidden), anchor_ids, self.markov_embed, self.markov_bias,
+                                 temperature=temperature, seeds=seeds, positions=block_positions)
+        confidences = None if self.confidence_head is None else self.confidence(hidden, rollout.markov_embeds)
+        return DraftOutput(rollout.tokens, rollout.logits, confidences, rollout.markov_embeds, hidden,
+                           block_positions)
+
+    def _check_draft_inputs(self, aux, context_positions, anchor_ids, context_mask) -> None:
+        c = self.config
+        width = c.num_target_layers * c.target_hidden_size
+        if aux.dim() != 3 or aux.shape[-1] != width:
+            raise ValueError(f"aux_hidden_states must be [B, T, {width}] (num_target_layers {c.num_target_layers} x "
+                             f"target_hidden_size {c.target_hidden_size}), got shape {tuple(aux.shape)}.")
+        batch, num_context, _ = aux.shape
+        if not aux.is_floating_point():
+            raise ValueError(f"aux_hidden_states must be floating point, got {aux.dtype}.")
+        if tuple(context_positions.shape) != (batch, num_context) or context_positions.is_floating_point():
+            raise ValueError(f"context_positions must be integer [B, T] = [{batch}, {num_context}], got "
+                             f"{context_positions.dtype} {tuple(context_positions.shape)}.")
+        if bool((context_positions < 0).any()):
+            raise ValueError("context_positions must be >= 0.")
+        if tuple(anchor_ids.shape) != (batch,) or anchor_ids.is_floating_point():
+            raise ValueError(f"anchor_ids must be integer [B] = [{batch}], got {anchor_ids.dtype} "
+                             f"{tuple(anchor_ids.shape)}.")
+        if bool(((anchor_ids < 0) | (anchor_ids >= c.vocab_size)).any()):
+            raise ValueError(f"anchor_ids must be token ids in [0, {c.vocab_size}), got {anchor_ids.tolist()}.")
+        if context_mask is not None:
+            if tuple(context_mask.shape) != (batch, num_context) or context_mask.dtype != torch.bool:
+                raise ValueError(f"context_mask must be bool [B, T] = [{batch}, {num_context}], got "
+                                 f"{context_mask.dtype} {tuple(context_mask.shape)}.")
+            empty = (~context_mask.any(dim=1)).nonzero().flatten().tolist()
+            if empty:
+                raise ValueError(f"context_mask leaves request(s) {empty} without any context token; "
+                                 "every request needs at least its anchor's context.")
