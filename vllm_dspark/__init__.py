@@ -41,7 +41,11 @@ def check_vllm_version(version: str) -> None:
 def register() -> None:
     """Register the K3 DSpark drafter with vLLM (the ``vllm.general_plugins`` entry point)."""
     global _registered
-    __import__("vllm_dspark.doctor").doctor.install_speculative_config_hook()  # on every call: see its docstring
+    from vllm_dspark.doctor import install_speculative_config_hook
+
+    # On every call, not only the first: a user's early register() may precede vLLM's arg_utils,
+    # which the hook wraps (it is idempotent and a no-op until then).
+    install_speculative_config_hook()
     if _registered:
         return
     import vllm
