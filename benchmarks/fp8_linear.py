@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+"""FP8 weight-only (W8A16) linear on CPU at the drafter's real layer shapes.
+
+Four ways to run one FP8 compressed-tensors linear, at batch 1 and at a 7-token block:
+
+- ``plugin``: vLLM's own ``CompressedTensorsW8A16Fp8`` scheme with the plugin's CPU kernel
+  (``vllm_dspark.cpu_w8a16``) — what the served drafter runs on CPU: dequantised once at load,
+  then vLLM's CPU GEMM dispatch;
+- ``bf16``: the same GEMM dispatch on the original BF16 weight (the baseline of every ratio);
+- ``dequant-bf16``: plain ``F.linear`` on the weight dequantised to BF16;
+- ``dequant-per-call``: dequantising the FP8 weight on every call, which is why the kernel does
+  it once.
+
+Achieved bandwidth counts the BF16 weight bytes each call streams, next to a memory-copy bandwidth
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import best_time, format_table, memcpy_bandwidth, write_result
+from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules
+from vllm_dspark.presets import preset_config, preset_config_json
+
+
+def _shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """One (out, in) shape per FP8 module kind; gate and up are fused at runtime into one GEMM."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for spec in checkpoint_modules(preset_config(preset)):
+        if spec.kind in FP8_RECIPE and spec.kind not in shapes:
+            shapes[spec.kind] = spec.shape
+    gate = shapes.pop("mlp.gate_proj")
+    shapes.pop("mlp.up_proj")
+    shapes["mlp.gate_up_proj"] = (2 * gate[0], gate[1])
+    return shapes
+
+
+@contextmanager
+def _bf16_drafter_config(preset: str) -> Iterator[None]:
+    """vLLM's scheme reads the model dtype from the current VllmConfig: a BF16 drafter's config."""
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+
+    import vllm_dspark
+    from vllm_dspark.cpu_runtime import ensure_single_process_runtime
+
+    vllm_dspark.register()
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(preset_config_json(preset)))
+        model_config = ModelConfig(model=tmp, dtype="bfloat16", skip_tokenizer_init=True, runner="draft")
+        with set_current_vllm_config(VllmConfig(model_config=model_config)):
+            ensure_single_process_runtime()
+            yield
+
+
+def _plugin_layer(w_fp8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.nn.Module, object]:
+    """A layer built, loaded and finalised by vLLM's W8A16 FP8 scheme, as the model does."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A16Fp8
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from vllm_dspark import cpu_w8a16
+
+    cpu_w8a16.install()
+    n, k = w_fp8.shape
+    args = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False)
+    scheme = CompressedTensorsW8A16Fp8(weight_quant=args, is_static_input_scheme=False)
+    layer = torch.nn.Module()
+    scheme.create_weights(layer, input_size_per_partition=k, output_partition_sizes=[n], input_size=k,
+                          output_size=n, params_dtype=torch.bfloat16, weight_loader=default_weight_loader)
+    layer.weight.data.copy_(w_fp8)
+    layer.weight_scale.data.copy_(scale)
+    scheme.process_weights_after_loading(layer)
+    return layer, scheme
+
+
+def _bf16_layer(weight: torch.Tensor) -> torch.nn.Module:
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    return layer
+
+
+def run(preset: str = "k3", repeats: int = 5, tokens: tuple[int, ...] = (1, 7)) -> dict:
+    from vllm.model_executor.layers.utils import cpu_unquantized_gemm
+
+    from vllm_dspark.formats import dequantize_weight, quantize_weight
+
+    torch.manual_seed(0)
+    bandwidth = memcpy_bandwidth()
+    rows = []
+    for kind, (n, k) in _shapes(preset).items():
+        weight = (torch.randn(n, k) * k**-0.5).to(torch.bfloat16)
+        q = quantize_weight(weight, "fp8")
+        w_fp8, scale = q["weight"], q["weight_scale"]
+        dequantised = dequantize_weight(q, "fp8", (n, k)).to(torch.bfloat16)
+        plugin, scheme = _plugin_layer(w_fp8, scale)
+        bf16 = _bf16_layer(weight)
+        weight_bytes = n * k * 2
+        for t in tokens:
+            x = torch.randn(t, k).to(torch.bfloat16)
+            paths = {
+                "plugin": lambda: scheme.apply_weights(plugin, x, None),
+                "bf16": lambda: cpu_unquantized_gemm(bf16, x, bf16.weight, None),
+                "dequant-bf16": lambda: torch.nn.functional.linear(x, dequantised),
+                "dequant-per-call": lambda: torch.nn.functional.linear(
+                    x, (w_fp8.to(torch.float32) * scale.to(torch.float32)).to(torch.bfloat16)),
+            }
+            with torch.inference_mode():
+                ref = paths["dequant-bf16"]().float()
+                err = (paths["plugin"]().float() - ref).norm() / ref.norm()
+                times = {name: best_time(fn, repeats=repeats) for name, fn in paths.items()}
+            base = times["bf16"]
+            for name, seconds in times.items():
+                rows.append({
+                    "module": kind, "shape": f"{n}x{k}", "tokens": t, "path": name,
+                    "ms": 1e3 * seconds, "vs bf16": seconds / base,
+                    "GB/s": weight_bytes / seconds / 1e9, "memcpy GB/s": bandwidth,
+                    "plugin rel. error vs dequant-bf16": float(err),
+                })
+    return {"preset": preset, "repeats": repeats, "memcpy_gbps": bandwidth, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks fp8-linear", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="k3", help="layer shapes of this preset (default: the real k3)")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    with _bf16_drafter_config(args.preset):
+        result = run(args.preset, args.repeats)
+    table = format_table(result["rows"], ["module", "shape", "tokens", "path", "ms", "vs bf16", "GB/s", "memcpy GB/s"])
+    write_result("fp8_linear", result, table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
