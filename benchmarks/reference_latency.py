@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--context-len", type=int, default=64, help="context tokens before the block (default 64)")
     parser.add_argument("--model", type=Path, default=None,
-                        help="a drafter directory (e.g. from make-random, with target/) instead of fresh random weights")
+                        help="a drafter directory (e.g. from make-random, with target/) "
+                             "instead of fresh random weights")
     args = parser.parse_args(argv)
     payload = run(args.preset, args.repeats, model_dir=args.model, context_len=args.context_len)
     rows = [{"preset": payload["preset"], "weights_GB": payload["weight_bytes_per_block"] / 1e9,

@@ -87,8 +87,10 @@ def test_help_documents_the_tensors(capsys) -> None:
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t.pop("anchor_ids"), r"lacks required tensor\(s\) anchor_ids: anchor_ids \[B\] int64"),
     (lambda t: t.update(aux_hidden_states=t["aux_hidden_states"][..., :100]),
-     r"aux_hidden_states must be \[B, T, 320\] \(num_target_layers 5 x target_hidden_size 64\), got shape \(2, 16, 100\)"),
-    (lambda t: t.update(context_positions=t["context_positions"][:, :3]), r"context_positions must be integer \[B, T\] = \[2, 16\]"),
+     r"aux_hidden_states must be \[B, T, 320\] \(num_target_layers 5 x target_hidden_size 64\), "
+     r"got shape \(2, 16, 100\)"),
+    (lambda t: t.update(context_positions=t["context_positions"][:, :3]),
+     r"context_positions must be integer \[B, T\] = \[2, 16\]"),
     (lambda t: t.update(context_mask=t["context_mask"].long()), r"context_mask must be bool \[B, T\]"),
     (lambda t: t.update(seeds=t["seeds"][:1], temperature=torch.ones(2)), r"seeds must be \[B\] = \[2\]"),
     (lambda t: t.update(extra=torch.ones(1)), r"unknown tensor\(s\) extra"),
@@ -97,7 +99,8 @@ def test_bad_inputs_exit_2_without_traceback(checkpoint, inputs_file, tmp_path, 
     tensors = load_file(str(inputs_file))
     edit(tensors)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "bad.safetensors"))
-    code = draft("--model", str(checkpoint), "--inputs", str(tmp_path / "bad.safetensors"), "--out", str(tmp_path / "o"))
+    code = draft("--model", str(checkpoint), "--inputs", str(tmp_path / "bad.safetensors"),
+                 "--out", str(tmp_path / "o"))
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("vllm-dspark draft: error: ") and "Traceback" not in err
@@ -108,7 +111,8 @@ def test_bad_inputs_exit_2_without_traceback(checkpoint, inputs_file, tmp_path, 
 def test_bad_checkpoint_exits_2(checkpoint, inputs_file, tmp_path, capsys) -> None:
     code = draft("--model", str(tmp_path), "--inputs", str(inputs_file), "--out", str(tmp_path / "o"))
     assert code == 2 and "has no config.json" in capsys.readouterr().err
-    code = draft("--model", str(checkpoint), "--inputs", str(tmp_path / "none.safetensors"), "--out", str(tmp_path / "o"))
+    code = draft("--model", str(checkpoint), "--inputs", str(tmp_path / "none.safetensors"),
+                 "--out", str(tmp_path / "o"))
     assert code == 2 and "none.safetensors does not exist" in capsys.readouterr().err
 
 

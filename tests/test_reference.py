@@ -217,7 +217,8 @@ def test_bf16_weights_under_fp32_compute_are_exact(config) -> None:
     stored_fp32 = ReferenceDrafter.from_state_dict(config, upcast, embed_tokens=upcast["embed_tokens.weight"],
                                                    lm_head=lm_head.float())
     aux, positions, anchors = inputs(config)
-    assert torch.equal(stored_bf16.draft(aux, positions, anchors).logits, stored_fp32.draft(aux, positions, anchors).logits)
+    assert torch.equal(stored_bf16.draft(aux, positions, anchors).logits,
+                       stored_fp32.draft(aux, positions, anchors).logits)
 
 
 def test_linear_upcasts_large_weights_in_slabs(monkeypatch) -> None:
@@ -236,7 +237,8 @@ def test_from_state_dict_rejects_mismatches(config) -> None:
     embed = tensors["embed_tokens.weight"]
     broken = dict(tensors)
     del broken["layers.1.mlp.up_proj.weight"]
-    with pytest.raises(ValueError, match=r"missing tensor 'layers.1.mlp.up_proj.weight' \(expected shape \(128, 64\)\)"):
+    with pytest.raises(ValueError,
+                       match=r"missing tensor 'layers.1.mlp.up_proj.weight' \(expected shape \(128, 64\)\)"):
         ReferenceDrafter.from_state_dict(config, broken, embed_tokens=embed, lm_head=embed)
     with pytest.raises(ValueError, match=r"lm_head has shape \(512, 32\).*\(512, 64\)"):
         ReferenceDrafter.from_state_dict(config, tensors, embed_tokens=embed, lm_head=embed[:, :32])

@@ -104,7 +104,9 @@ def read_inputs(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def run_draft(drafter: ReferenceDrafter, inputs: dict[str, torch.Tensor], *, absorbed: bool = False) -> dict[str, torch.Tensor]:
+def run_draft(
+    drafter: ReferenceDrafter, inputs: dict[str, torch.Tensor], *, absorbed: bool = False
+) -> dict[str, torch.Tensor]:
     """Run ``drafter.draft`` on an inputs dict; returns the output tensors by name."""
     out = drafter.draft(
         inputs["aux_hidden_states"],
@@ -163,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         inputs = read_inputs(args.inputs)  # before the model import: a bad inputs file fails in a second
         from vllm_dspark.reference import ReferenceDrafter
 
-        drafter = ReferenceDrafter.from_pretrained(args.model, target_dir=args.target, compute_dtype=_DTYPES[args.dtype])
+        drafter = ReferenceDrafter.from_pretrained(args.model, target_dir=args.target,
+                                                   compute_dtype=_DTYPES[args.dtype])
         outputs = run_draft(drafter, inputs, absorbed=args.absorbed)
     except ValueError as e:
         print(f"vllm-dspark draft: error: {e}", file=sys.stderr)

@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                     "embedding and lm_head in OUT/target/. Deterministic for a given --seed.",
     )
     parser.add_argument("--preset", required=True, choices=list(PRESETS),
-                        help="tiny / small: CPU-test sizes; k3: the published shapes (6.6 GiB drafter + 2.3 GiB lm_head)")
+                        help="tiny / small: CPU-test sizes; "
+                             "k3: the published shapes (6.6 GiB drafter + 2.3 GiB lm_head)")
     parser.add_argument("--out", required=True, type=Path, help="output directory (created; its shards are replaced)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -154,33 +154,47 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_pe = self.rope(q_pe, positions)
         latents = torch.cat([context_latent.to(x.dtype), self.latent(x, positions)], dim=1)
-        kv_c, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         attend = self._attend_absorbed if absorbed else self._attend_naive
-        out = attend(q_nope, q_pe, kv_c, k_pe, key_mask)  # [B, N, heads, v_head_dim]
+        out = attend(q_nope, q_pe, latents, key_mask)  # [B, N, heads, v_head_dim]
         return self.o_proj(out.flatten(-2))
 
-    def _softmax(self, scores: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        # scores [B, heads, N, S]; the softmax runs in fp32 as the attention kernels do.
-        scores = scores.float().masked_fill(~key_mask[:, None, None, :], float("-inf"))
-        return scores.softmax(dim=-1)
+    def _probs(self, q: torch.Tensor, k: torch.Tensor, equation: str, key_mask: torch.Tensor) -> torch.Tensor:
+        """Masked softmax of ``scale * q.k`` over the keys, as ``[B, heads, N, S]`` in q's dtype.
 
-    def _attend_naive(self, q_nope, q_pe, kv_c, k_pe, key_mask) -> torch.Tensor:
+        Scores and softmax run in (at least) fp32 from the operands' exact values, as the MLA kernels
+        accumulate them; the probabilities go back to the compute dtype for the value product.
+        """
+        wide = torch.promote_types(q.dtype, torch.float32)
+        scores = torch.einsum(equation, q.to(wide), k.to(wide)) * self.scale
+        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+        return scores.softmax(dim=-1).to(q.dtype)
+
+    def _attend_naive(self, q_nope, q_pe, latents, key_mask) -> torch.Tensor:
+        """Up-project every latent with ``kv_b_proj`` into per-head keys and values, then attend.
+
+        ``q_nope [B, N, heads, P]``, ``q_pe [B, N, heads, R]``, ``latents [B, S, L + R]``.
+        """
+        kv_c, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         batch, keys, _ = kv_c.shape
         kv = self.kv_b_proj(kv_c).view(batch, keys, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         # The rope part of the key is one MQA head shared by every query head.
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.num_heads, -1)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        probs = self._softmax(torch.einsum("bnhd,bshd->bhns", q, k) * self.scale, key_mask).to(v.dtype)
+        probs = self._probs(torch.cat([q_nope, q_pe], dim=-1), k, "bnhd,bshd->bhns", key_mask)
         return torch.einsum("bhns,bshd->bnhd", probs, v)
 
-    def _attend_absorbed(self, q_nope, q_pe, kv_c, k_pe, key_mask) -> torch.Tensor:
+    def _attend_absorbed(self, q_nope, q_pe, latents, key_mask) -> torch.Tensor:
+        """Fold ``W_UK`` into the query, attend over the latents themselves, apply ``W_UV`` after.
+
+        The scores ``q_nope . (W_UK kv_c)`` become ``(W_UK^T q_nope) . kv_c``: one 576-wide MQA head
+        ``[kv_c ; k_pe]`` serves every query head, which is what the paged-latent kernels exploit.
+        """
+        kv_c = latents[..., : self.kv_lora_rank]
         # kv_b_proj rows are per head [k_nope (P) ; v (V)], each a map from the kv_lora_rank latent.
         w = self.kv_b_proj.weight.to(kv_c.dtype).view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
         q_latent = torch.einsum("bnhp,hpl->bnhl", q_nope, w_uk)
-        scores = torch.einsum("bnhl,bsl->bhns", q_latent, kv_c) + torch.einsum("bnhr,bsr->bhns", q_pe, k_pe)
-        probs = self._softmax(scores * self.scale, key_mask).to(kv_c.dtype)
+        probs = self._probs(torch.cat([q_latent, q_pe], dim=-1), latents, "bnhd,bsd->bhns", key_mask)
         out_latent = torch.einsum("bhns,bsl->bnhl", probs, kv_c)
         return torch.einsum("bnhl,hvl->bnhv", out_latent, w_uv)
 
@@ -206,7 +220,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, positions, context_latent, key_mask, absorbed: bool) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        context_latent: torch.Tensor,
+        key_mask: torch.Tensor,
+        absorbed: bool,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, context_latent, key_mask, absorbed)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -408,7 +429,7 @@ class ReferenceDrafter(nn.Module):
 
     # ----- one block end to end -----
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def draft(
         self,
         aux: torch.Tensor,

@@ -106,7 +106,8 @@ def markov_rollout(
     if temperature.numel() == 1:
         temperature = temperature.expand(batch)
     if temperature.shape != (batch,) or bool((temperature < 0).any()) or not bool(temperature.isfinite().all()):
-        raise ValueError(f"temperature must be a finite float >= 0 or [B] = [{batch}] of them, got {temperature.tolist()}.")
+        raise ValueError(f"temperature must be a finite float >= 0 or [B] = [{batch}] of them, "
+                         f"got {temperature.tolist()}.")
     if positions is None:
         positions = torch.arange(block).expand(batch, block)
     seeds_cpu = seeds.cpu() if seeds is not None else None
