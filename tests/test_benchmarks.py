@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Smoke test of every benchmark at the tiny preset, and of the README's generated section.
+
+Each benchmark runs end to end through ``python -m benchmarks NAME`` and must write its JSON and
+table; results go to a temporary directory so committed results are never overwritten. Speed is not
+asserted here (that is what the benchmarks are for).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SMOKE_ARGS: dict[str, list[str]] = {
+    "reference": ["--preset", "tiny", "--repeats", "1", "--context-len", "8"],
+    "fp8-linear": ["--preset", "tiny", "--repeats", "1"],
+    "quantizer": ["--preset", "tiny"],
+    "drift": ["--preset", "tiny", "--blocks", "8"],
+    "register": ["--samples", "1"],
+}
+RESULT_NAME = {"reference": "reference_latency", "fp8-linear": "fp8_linear", "quantizer": "quantizer",
+               "drift": "drift", "register": "register_overhead"}
+
+
+def test_every_benchmark_has_a_smoke_run() -> None:
+    from benchmarks.__main__ import BENCHMARKS
+
+    assert set(BENCHMARKS) == set(SMOKE_ARGS)
+
+
+@pytest.mark.parametrize("name", list(SMOKE_ARGS))
+def test_benchmark_runs_at_the_tiny_preset(name: str, tmp_path: Path) -> None:
+    env = dict(os.environ, VLLM_DSPARK_BENCH_RESULTS=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "benchmarks", name, *SMOKE_ARGS[name]], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    result = json.loads((tmp_path / f"{RESULT_NAME[name]}.json").read_text())
+    assert result["benchmark"] == RESULT_NAME[name]
+    assert "environment" in result
+    table = (tmp_path / f"{RESULT_NAME[name]}.md").read_text()
+    assert table.startswith("|") and table.count("\n") >= 2
+    assert table.splitlines()[0] in out.stdout  # the table is printed too
+
+
+def test_readme_benchmark_section_is_generated_from_committed_results() -> None:
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "readme", "--check"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
