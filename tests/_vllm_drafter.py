@@ -8,7 +8,7 @@ Shared by ``test_model.py`` and ``test_model_quant.py``. The path is vLLM's own:
 config, runs ``get_model`` (``initialize_model`` -> ``load_weights`` -> per-layer post-processing ->
 ``process_weights_after_loading``) and aliases the target's embedding and lm_head.
 
-Two things stand in for what a CPU machine lacks, and nothing else:
+What stands in for what a CPU machine lacks or would refuse, and nothing else:
 
 - ``VllmConfig._validate_v1_model_runner`` is skipped while configs are built (by ``EngineArgs`` and
   by ``load_dspark_model``'s ``replace``): ``dspark`` runs only in the V2 GPU model runner, and the
@@ -17,6 +17,8 @@ Two things stand in for what a CPU machine lacks, and nothing else:
   an unservable drafter on its own.
 - The target model is a stub holding only what the drafter shares with it (``model.embed_tokens``
   and ``lm_head``, vLLM's own layers, loaded from the checkpoint's ``target/model.safetensors``).
+- ``torch.accelerator`` cache calls are no-ops, as vLLM's CPU model runner makes them before it
+  loads a model.
 
 The draft attention is :class:`vllm_dspark.attention.TorchLatentAttention` here, the CPU stand-in for
 vLLM's Kimi-K3 ``MultiHeadLatentAttention`` (fused CUDA kernels); the tests bind paged latent caches
@@ -35,23 +37,6 @@ import torch
 from torch import nn
 
 TARGET_HEADS = "target/model.safetensors"
-
-
-def _ensure_cpu_runtime() -> None:
-    """One-process TP=1 distributed state and the accelerator no-ops vLLM's CPU model runner installs."""
-    from vllm.distributed import (
-        init_distributed_environment,
-        initialize_model_parallel,
-        model_parallel_is_initialized,
-    )
-    from vllm.utils.network_utils import get_open_port
-    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
-
-    _set_torch_accelerator_to_noop()
-    if not model_parallel_is_initialized():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}")
-        initialize_model_parallel(1, 1)
 
 
 def engine_config(target_dir: Path, draft_dir: Path, *, dtype: str = "float32", **speculative: Any):
@@ -106,6 +91,8 @@ def load_drafter(target_dir: Path, draft_dir: Path, *, dtype: str = "float32",
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
 
+    from vllm_dspark.cpu_runtime import ensure_single_process_runtime
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(VllmConfig, "_validate_v1_model_runner", lambda self: None)
         # The plugin's serve-time doctor would refuse some bad drafters before the model is built;
@@ -113,7 +100,7 @@ def load_drafter(target_dir: Path, draft_dir: Path, *, dtype: str = "float32",
         mp.setenv("VLLM_DSPARK_DOCTOR", "0")
         vllm_config = engine_config(target_dir, draft_dir, dtype=dtype, **speculative)
         with set_current_vllm_config(vllm_config):
-            _ensure_cpu_runtime()
+            ensure_single_process_runtime()
             target = TargetStub(heads_file or draft_dir / TARGET_HEADS, vllm_config.model_config.dtype)
             model = load_dspark_model(target, vllm_config)
     return Served(model, vllm_config, target)

@@ -220,3 +220,22 @@ def test_not_a_standalone_model() -> None:
 
     with pytest.raises(ValueError, match=r"speculative drafter, not a standalone model.*method': 'dspark'"):
         K3DSparkForCausalLM(vllm_config=SimpleNamespace(speculative_config=None))
+
+
+@pytest.mark.vllm_api
+def test_gpu_attention_layer_accepts_what_the_drafter_passes() -> None:
+    """The GPU path cannot run here, but its API can be checked: the Kimi-K3 MLA layer takes every
+    argument build_latent_attention passes, and the subclass adds only the context-latent insert."""
+    import inspect
+
+    from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
+
+    from vllm_dspark.attention_cuda import K3DSparkMLA
+
+    params = inspect.signature(MultiHeadLatentAttention.__init__).parameters
+    passed = {"config", "hidden_size", "num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "q_lora_rank", "kv_lora_rank", "cache_config", "quant_config", "prefix", "use_rope",
+              "non_causal_multi_token_decode"}
+    assert passed <= set(params)
+    assert issubclass(K3DSparkMLA, MultiHeadLatentAttention)
+    assert {name for name in vars(K3DSparkMLA) if not name.startswith("_")} == {"store_latent"}

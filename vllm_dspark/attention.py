@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -38,6 +37,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.platforms import current_platform
+
 from vllm_dspark.rope import apply_rotary_interleaved, softmax_scale
 
 if TYPE_CHECKING:

@@ -9,7 +9,6 @@ Kimi-K3 MLA module imports fused CUDA kernels and cute-dsl at module level.
 from __future__ import annotations
 
 import torch
-
 from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
 __all__ = ["K3DSparkMLA"]

