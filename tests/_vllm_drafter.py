@@ -1,24 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Build ``K3DSparkForCausalLM`` on CPU the way vLLM's ``dspark`` speculator does, and drive its hooks.
 
-Shared by ``test_model.py`` and ``test_model_quant.py``. The path is vLLM's own:
-``EngineArgs(... speculative_config={"method": "dspark"}).create_engine_config()`` builds the real
-``VllmConfig``, and ``vllm.v1.worker.gpu.spec_decode.dspark.utils.load_dspark_model`` (what
-``DSparkSpeculator.load_draft_model`` calls) builds the draft ``VllmConfig``, gets the draft's quant
-config, runs ``get_model`` (``initialize_model`` -> ``load_weights`` -> per-layer post-processing ->
-``process_weights_after_loading``) and aliases the target's embedding and lm_head.
-
-What stands in for what a CPU machine lacks or would refuse, and nothing else:
-
-- ``VllmConfig._validate_v1_model_runner`` is skipped while configs are built (by ``EngineArgs`` and
-  by ``load_dspark_model``'s ``replace``): ``dspark`` runs only in the V2 GPU model runner, and the
-  V1 runner check would refuse the config although no runner is ever made here.
-- The plugin's serve-time ``doctor`` hook is off (``VLLM_DSPARK_DOCTOR=0``): the model must refuse
-  an unservable drafter on its own.
-- The target model is a stub holding only what the drafter shares with it (``model.embed_tokens``
-  and ``lm_head``, vLLM's own layers, loaded from the checkpoint's ``target/model.safetensors``).
-- ``torch.accelerator`` cache calls are no-ops, as vLLM's CPU model runner makes them before it
-  loads a model.
+Shared by ``test_model.py`` and ``test_model_quant.py``. Loading is the package's
+:func:`vllm_dspark.vllm_load.load_with_vllm`, vLLM's own ``load_dspark_model`` path (its docstring
+lists what stands in for an engine on CPU: the V1-runner check and the target, reduced to the heads
+the drafter shares); here the plugin's serve-time ``doctor`` hook is also off
+(``VLLM_DSPARK_DOCTOR=0``), so that the model must refuse an unservable drafter on its own.
 
 The draft attention is :class:`vllm_dspark.attention.TorchLatentAttention` here, the CPU stand-in for
 vLLM's Kimi-K3 ``MultiHeadLatentAttention`` (fused CUDA kernels); the tests bind paged latent caches
@@ -34,76 +21,19 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
-TARGET_HEADS = "target/model.safetensors"
+from vllm_dspark.vllm_load import Served, load_with_vllm
 
-
-def engine_config(target_dir: Path, draft_dir: Path, *, dtype: str = "float32", **speculative: Any):
-    """The real ``VllmConfig`` of serving ``target_dir`` with ``draft_dir`` as its dspark drafter.
-
-    Call it with the V1-runner check skipped (:func:`load_drafter` does).
-    """
-    from vllm.engine.arg_utils import EngineArgs
-
-    args = EngineArgs(model=str(target_dir), skip_tokenizer_init=True, dtype=dtype, max_model_len=256,
-                      enforce_eager=True,
-                      speculative_config={"method": "dspark", "model": str(draft_dir), **speculative})
-    return args.create_engine_config()
-
-
-class _Inner(nn.Module):
-    pass
-
-
-class TargetStub(nn.Module):
-    """The parts of the target the drafter shares, as vLLM's own layers: ``model.embed_tokens``, ``lm_head``."""
-
-    def __init__(self, heads_file: Path, dtype: torch.dtype) -> None:
-        super().__init__()
-        from safetensors.torch import load_file
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-        from vllm_dspark.checkpoint import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY
-
-        heads = load_file(heads_file)
-        vocab, hidden = heads[TARGET_EMBED_KEY].shape
-        self.model = _Inner()
-        self.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, params_dtype=dtype)
-        self.lm_head = ParallelLMHead(vocab, hidden, params_dtype=dtype)
-        for layer, key in ((self.model.embed_tokens, TARGET_EMBED_KEY), (self.lm_head, TARGET_LM_HEAD_KEY)):
-            layer.weight_loader(layer.weight, heads[key])
-            layer.quant_method.process_weights_after_loading(layer)
-
-
-@dataclass
-class Served:
-    """A drafter loaded by vLLM's ``load_dspark_model`` next to its target stub."""
-
-    model: Any  # K3DSparkForCausalLM
-    vllm_config: Any
-    target: TargetStub
+__all__ = ["Served", "load_drafter"]
 
 
 def load_drafter(target_dir: Path, draft_dir: Path, *, dtype: str = "float32",
                  heads_file: Path | None = None, **speculative: Any) -> Served:
-    """Build and load the drafter through vLLM's ``load_dspark_model``; raises whatever it raises."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
-
-    from vllm_dspark.cpu_runtime import ensure_single_process_runtime
-
+    """``load_with_vllm`` with the plugin's serve-time doctor off: these tests are about what the
+    model itself refuses, and the doctor would refuse some bad drafters before the model is built."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(VllmConfig, "_validate_v1_model_runner", lambda self: None)
-        # The plugin's serve-time doctor would refuse some bad drafters before the model is built;
-        # these tests are about what the model itself refuses.
         mp.setenv("VLLM_DSPARK_DOCTOR", "0")
-        vllm_config = engine_config(target_dir, draft_dir, dtype=dtype, **speculative)
-        with set_current_vllm_config(vllm_config):
-            ensure_single_process_runtime()
-            target = TargetStub(heads_file or draft_dir / TARGET_HEADS, vllm_config.model_config.dtype)
-            model = load_dspark_model(target, vllm_config)
-    return Served(model, vllm_config, target)
+        return load_with_vllm(draft_dir, target_dir=target_dir, dtype=dtype, heads_file=heads_file, **speculative)
 
 
 def variant(source: Path, dest: Path, edit_config) -> Path:

@@ -38,21 +38,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_mla_target(tmp_path_factory: pytest.TempPathFactory):
-    """config.json of a tiny DeepSeek-V3 (MLA) target whose geometry matches the ``tiny`` drafter
-    preset: hidden 64, 8 layers (aux layers 1, 2, 4, 5, 6), vocab 512, latent 32 + 16."""
-    from transformers import DeepseekV3Config
+    """config.json of a tiny DeepSeek-V3 (MLA) target of the geometry the ``tiny`` drafter expects."""
+    from vllm_dspark.presets import preset_config
+    from vllm_dspark.vllm_load import write_target_config
 
-    path = tmp_path_factory.mktemp("tiny_mla_target")
-    config = DeepseekV3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32,
-        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-        n_group=1, topk_group=1, max_position_embeddings=4096,
-    )
-    config.architectures = ["DeepseekV3ForCausalLM"]
-    config.save_pretrained(path)
-    return path
+    return write_target_config(preset_config("tiny"), tmp_path_factory.mktemp("tiny_mla_target"))
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,8 @@
 Writes ``OUT/config.json`` (the preset's config), ``OUT/model-0000i-of-0000n.safetensors`` and
 ``OUT/model.safetensors.index.json`` (HF key names, BF16, ``embed_tokens.weight`` included, as in the
 published checkpoint), and the target's shared heads in ``OUT/target/model.safetensors``
-(``model.embed_tokens.weight``, equal to the drafter's, and ``lm_head.weight``) with a small
-``OUT/target/config.json``.
+(``model.embed_tokens.weight``, equal to the drafter's, and ``lm_head.weight``) with
+``OUT/target/config.json``: a DeepSeek-V3 MLA config of the target geometry the drafter expects.
 
 Weights are random with realistic structure, so that quantization error means something: linears
 are ``N(0, 1/fan_in)`` with lognormal per-output-channel and per-input-channel scales and a few
@@ -17,7 +17,6 @@ a time, so peak memory stays near the largest tensor (the 163840 x 7168 embeddin
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -36,6 +35,7 @@ from vllm_dspark.checkpoint import (
 )
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.layout import checkpoint_modules
+from vllm_dspark.vllm_load import write_target_config
 from vllm_dspark.presets import PRESETS, preset_config_json
 
 __all__ = ["main", "make_random", "random_drafter_tensors", "random_lm_head", "random_tensor"]
@@ -127,14 +127,9 @@ def make_random(out_dir: str | Path, preset: str, *, seed: int = 0, progress: bo
         target.add(TARGET_LM_HEAD_KEY, lm_head)
         bar.update(lm_head.numel() * lm_head.element_size())
     bar.close()
-    (target_dir / "config.json").write_text(json.dumps({
-        "description": "Shared embedding and lm_head of the random target this drafter was made for "
-                       f"(vllm-dspark make-random --preset {preset} --seed {seed}).",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }, indent=2) + "\n")
+    # A target config of the geometry the drafter expects, so that OUT/target stands in for the
+    # target wherever only its config is read (vLLM's config building, the doctor's --target).
+    write_target_config(config, target_dir)
     return out_dir
 
 
