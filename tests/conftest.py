@@ -30,7 +30,7 @@ def _cuda_available() -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _cuda_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run tests/gpu/run_gpu_checks.sh on a GPU machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
