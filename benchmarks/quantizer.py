@@ -3,9 +3,10 @@
 
 Both steps run in the same benchmark run, each in its own subprocess so that each peak RSS is its
 own: the copy loads every shard with ``safetensors.torch.load_file`` and writes it back with
-``save_file``; the quantizer is ``vllm-dspark quantize`` (``quantize_checkpoint``). Throughput is
-GB of input tensors per wall second (the copy moves the same input, so the ratio is the cost of
-quantizing, SNR measurement included). Then ``vllm-dspark check`` verifies the output.
+``save_file``; the quantizer is ``vllm-dspark quantize`` (``quantize_checkpoint``). Both carry the
+target's shared heads (``target/``) along. Throughput is GB of drafter input tensors per wall
+second, the same numerator for both, so the ratio is the cost of quantizing, SNR measurement
+included. Then ``vllm-dspark check`` verifies the output.
 
 The ``k3`` preset (6.6 GiB of BF16 input, random weights at the real shapes) needs ~15 GiB of free
 disk and should run under ``flock /tmp/k3.lock`` on shared machines:
@@ -27,18 +28,22 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import format_table, write_result
+from vllm_dspark.check import human_bytes, human_params
 from vllm_dspark.presets import PRESETS
 
 
 def _copy(model_dir: Path, out_dir: Path) -> None:
-    """The baseline: a plain safetensors round trip of every shard, plus the small files."""
+    """The baseline: a plain safetensors round trip of every shard (the target's shared heads in
+    ``target/`` too, which the quantizer also copies along), plus the small files."""
     from safetensors.torch import load_file, save_file
 
     out_dir.mkdir(parents=True)
     for path in sorted(model_dir.iterdir()):
-        if path.suffix == ".safetensors":
+        if path.is_dir():
+            _copy(path, out_dir / path.name)
+        elif path.suffix == ".safetensors":
             save_file(load_file(path), out_dir / path.name, metadata={"format": "pt"})
-        elif path.is_file():
+        else:
             shutil.copy2(path, out_dir / path.name)
 
 
@@ -115,9 +120,9 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join([
         format_table(rows, ["step", "seconds", "input GB/s", "peak RSS GiB", "time vs copy"]),
         "",
-        f"`{result['preset']}` preset: {q['params_quantized'] / 1e9:.3f} B of {q['params_total'] / 1e9:.3f} B params "
-        f"quantized, {q['gib_before']:.2f} GiB -> {q['gib_after']:.2f} GiB, weight SNR mean {q['snr_db_mean']:.1f} dB "
-        f"(min {q['snr_db_min']:.1f}); largest tensor {result['largest_tensor_bytes'] / 2**30:.2f} GiB; "
+        f"`{result['preset']}` preset: {human_params(q['params_quantized'])} of {human_params(q['params_total'])} params "
+        f"quantized, {human_bytes(q['bytes_before'])} -> {human_bytes(q['bytes_after'])}, weight SNR mean "
+        f"{q['snr_db_mean']:.1f} dB (min {q['snr_db_min']:.1f}); largest tensor {human_bytes(result['largest_tensor_bytes'])}; "
         f"check: {'OK' if c['ok'] else 'PROBLEMS'}, {c['config_groups']} config group, "
         f"{c['quantized_modules']} quantized and {c['ignored_modules']} ignored modules.",
     ])

@@ -67,3 +67,15 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     from vllm_dspark.make_random import make_random
 
     return make_random(tmp_path_factory.mktemp("tiny_checkpoint"), "tiny", seed=0, progress=False)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tests on small tensors run single-threaded: on a shared 2-core machine every multi-threaded
+    torch op waits ~10 ms for a busy core to join in."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

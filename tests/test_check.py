@@ -17,14 +17,7 @@ from vllm_dspark.make_random import make_random
 from vllm_dspark.quantize import quantize_checkpoint
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # On a shared 2-core box every multi-threaded torch op waits ~10 ms for a busy core to join in;
-    # these tensors are small enough that one thread is far faster.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +28,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # NVFP4 over both fused groups, whose shards must share global scales.
     layers = ["mlp.gate_proj", "mlp.up_proj", "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "context_proj"]
     quantize_checkpoint(out["bf16"], root / "nvfp4", "nvfp4", layers, progress=False)
-    out.update(fp8=root / "fp8", nvfp4=root / "nvfp4")
+    quantize_checkpoint(out["bf16"], root / "mxfp4", "mxfp4", ["mlp.down_proj"], progress=False)
+    out.update(fp8=root / "fp8", nvfp4=root / "nvfp4", mxfp4=root / "mxfp4")
     return out
 
 
@@ -74,6 +68,7 @@ def test_sound_checkpoints_pass(checkpoints, capsys) -> None:
     nvfp4 = check_checkpoint(checkpoints["nvfp4"])
     assert nvfp4.ok, nvfp4.problems
     assert "layers.1.self_attn.kv_a_proj_with_mqa" in nvfp4.quantized_modules
+    assert check_checkpoint(checkpoints["mxfp4"]).ok
 
     assert main([str(checkpoints["fp8"])]) == 0
     out = capsys.readouterr().out
@@ -101,6 +96,21 @@ def test_glob_entry(checkpoints, tmp_path, capsys) -> None:
     model_dir = _broken(checkpoints, "fp8", tmp_path)
     _edit_config(model_dir, lambda c: c["quantization_config"]["ignore"].append("markov_head*"))
     assert "ignore entry 'markov_head*' is a shell glob" in _problems(model_dir, capsys)
+
+
+def test_per_layer_names_that_vllm_never_matches(checkpoints, tmp_path, capsys) -> None:
+    model_dir = _broken(checkpoints, "fp8", tmp_path)
+
+    def per_layer(config):  # what an exporter that lists HF module names writes
+        qc = config["quantization_config"]
+        qc["ignore"].remove("re:.*layers\\.\\d+\\.self_attn\\.kv_b_proj$")
+        qc["ignore"] += ["layers.0.self_attn.kv_b_proj", "layers.1.self_attn.kv_b_proj"]
+
+    _edit_config(model_dir, per_layer)
+    report = check_checkpoint(model_dir)
+    assert len(report.ignored_modules) == 20  # the same modules, by the checkpoint's names ...
+    assert ("2 quantization_config entries name draft layers by checkpoint index (layers.0.self_attn.kv_b_proj, "
+            "layers.1.self_attn.kv_b_proj): vLLM numbers the draft's layers after the target's") in _problems(model_dir, capsys)
 
 
 def test_split_fused_module(checkpoints, tmp_path, capsys) -> None:
@@ -157,6 +167,12 @@ def test_non_finite_scales(checkpoints, tmp_path, capsys) -> None:
     problems = _problems(model_dir, capsys)
     assert "layers.0.mlp.gate_proj.weight_scale: 1 of 128 scale values are NaN, infinite or not positive" in problems
     assert "layers.1.mlp.up_proj.weight_scale: 1 of 128 scale values" in problems
+
+
+def test_nan_e8m0_scale(checkpoints, tmp_path, capsys) -> None:
+    model_dir = _broken(checkpoints, "mxfp4", tmp_path)
+    _edit_tensors(model_dir, lambda t: t["layers.1.mlp.down_proj.weight_scale"][0].fill_(255))  # E8M0 NaN
+    assert "layers.1.mlp.down_proj.weight_scale: 4 of 256 scale values are NaN" in _problems(model_dir, capsys)
 
 
 def test_nvfp4_fused_shards_with_different_global_scales(checkpoints, tmp_path, capsys) -> None:

@@ -18,14 +18,7 @@ from vllm_dspark.presets import preset_config
 PACKED_MODULES_MAPPING = {"gate_up_proj": ["gate_proj", "up_proj"], "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # On a shared 2-core box every multi-threaded torch op waits ~10 ms for a busy core to join in;
-    # these tensors are small enough that one thread is far faster.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _weight(shape: tuple[int, int] = (256, 512)) -> torch.Tensor:
@@ -180,7 +173,7 @@ def test_group_formats_refuse_in_features_their_groups_do_not_divide() -> None:
 @pytest.fixture(scope="module")
 def vllm_config_of(tmp_path_factory: pytest.TempPathFactory):
     """vLLM's VllmConfig of a drafter dir whose config.json carries our quantization_config."""
-    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
 
     from vllm_dspark.config import register_config
     from vllm_dspark.presets import preset_config_json
@@ -192,7 +185,9 @@ def vllm_config_of(tmp_path_factory: pytest.TempPathFactory):
         config_json = preset_config_json("tiny")
         config_json["quantization_config"] = formats.quantization_config(fmt, FP8_RECIPE, preset_config("tiny"))
         (model_dir / "config.json").write_text(json.dumps(config_json))
-        vllm_config = VllmConfig(model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16"))
+        # device "cpu": the CUDA wheel on a machine without a GPU cannot infer a device type.
+        vllm_config = VllmConfig(model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16"),
+                                 device_config=DeviceConfig(device="cpu"))
         # What the plugin's model class does: the fused layers resolve through their shards.
         vllm_config.quant_config.packed_modules_mapping = PACKED_MODULES_MAPPING
         return vllm_config

@@ -32,14 +32,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # On a shared 2-core box every multi-threaded torch op waits ~10 ms for a busy core to join in;
-    # these tensors are small enough that one thread is far faster.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +78,7 @@ def test_each_format_round_trips_with_snr_in_the_report(drafters, quantized, pre
             if key.removesuffix(".weight") not in modules:
                 assert _same_bytes(written[key], tensor), key
         assert report["overall"]["bytes_after"] == sum(t.numel() * t.element_size() for t in written.values())
+        assert check_checkpoint(out_dir).ok
         snr[fmt] = report["overall"]["snr_db_mean"]
     assert snr["fp8"] > 30
     assert all(14 < snr[f] < 24 for f in ("mxfp4", "nvfp4"))
@@ -199,6 +193,13 @@ def test_refuses_an_already_quantized_checkpoint(quantized, tmp_path, capsys) ->
     (model_dir / "config.json").write_text(json.dumps(config))
     err = _refused(capsys, ["--model_dir", str(model_dir), "--output_dir", str(tmp_path / "again"), "--quant_format", "fp8"])
     assert "holds already-quantized tensors" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_refuses_cuda_without_a_gpu(drafters, tmp_path, capsys) -> None:
+    err = _refused(capsys, ["--model_dir", str(drafters["tiny"]), "--output_dir", str(tmp_path / "out"),
+                            "--quant_format", "fp8", "--device", "cuda"])
+    assert "--device cuda, but torch sees no CUDA device" in err
 
 
 def test_help_explains_why_smoothquant_is_off(capsys) -> None:

@@ -19,7 +19,9 @@ Each violation is one problem string that names the tensor or module and the fix
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +31,13 @@ import torch
 from safetensors import safe_open
 
 from vllm_dspark import formats
-from vllm_dspark.checkpoint import _SAFETENSORS_DTYPES, _checked_weight_map, _header, load_config, read_config_json
+from vllm_dspark.checkpoint import SAFETENSORS_DTYPES, checked_weight_map, load_config, read_config_json
 from vllm_dspark.layout import ModuleSpec, checkpoint_modules
 
 # Unquantized tensors may be stored in any of these (the published drafter is BF16).
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 _REQUANTIZE = "re-quantize the BF16 checkpoint with `vllm-dspark quantize`"
+_PER_LAYER_NAME = re.compile(r"(^|\.)layers\.\d+\.")
 
 
 def human_params(n: int) -> str:
@@ -54,23 +57,35 @@ class StoredTensor:
     shard: Path
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype name: BF16, F8_E4M3, U8, ...
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _TORCH_DTYPES[self.dtype].itemsize
+    offset: int  # where its bytes start in the shard file
+    nbytes: int
 
 
-_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+def _shard_header(path: Path) -> dict[str, StoredTensor]:
+    # The format: an 8-byte little-endian header length, the JSON header, then the data, with
+    # each tensor's [begin, end) relative to the end of the header.
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return {
+        key: StoredTensor(path, tuple(entry["shape"]), entry["dtype"], 8 + length + entry["data_offsets"][0],
+                          entry["data_offsets"][1] - entry["data_offsets"][0])
+        for key, entry in header.items()
+    }
 
 
 def stored_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
     """``{key: StoredTensor}`` of a checkpoint directory, read from its headers only.
 
     Raises ``ValueError`` naming the file and the fix for a missing, corrupt or truncated shard or
-    an index that disagrees with its shards.
+    an index that disagrees with its shards (safetensors validates each file's header and size).
     """
-    weight_map = _checked_weight_map(Path(model_dir))
-    return {key: StoredTensor(weight_map[key], shape, dtype) for key, (shape, dtype) in _header(weight_map).items()}
+    weight_map = checked_weight_map(Path(model_dir))
+    headers: dict[str, StoredTensor] = {}
+    for shard in dict.fromkeys(weight_map.values()):
+        headers.update(_shard_header(shard))
+    return {key: headers[key] for key in weight_map}
 
 
 @dataclass
@@ -126,7 +141,7 @@ def _tensor_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored:
             if got.shape != tuple(shape):
                 problems.append(f"{key}: shape {got.shape}, but {what} needs {tuple(shape)}. Fix: use the "
                                 "config.json written with these shards, or re-export them")
-            ok_dtypes = _FLOAT_DTYPES if want is None else [_SAFETENSORS_DTYPES[d] for d in (want.dtype, *want.also)]
+            ok_dtypes = _FLOAT_DTYPES if want is None else [SAFETENSORS_DTYPES[d] for d in (want.dtype, *want.also)]
             if got.dtype not in ok_dtypes:
                 fix = _REQUANTIZE if fmt or got.dtype not in _FLOAT_DTYPES else "store it in BF16"
                 problems.append(f"{key}: dtype {got.dtype}, but {what} stores it as {' or '.join(ok_dtypes)}. "
@@ -229,6 +244,19 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
     return report
 
 
+def _per_layer_entry_problems(qc: dict[str, Any]) -> list[str]:
+    entries = list(qc.get("ignore") or [])
+    for group in qc["config_groups"].values():
+        entries += group.get("targets", []) if isinstance(group, dict) else group
+    per_layer = [e for e in entries if not e.startswith("re:") and _PER_LAYER_NAME.search(e)]
+    if not per_layer:
+        return []
+    return [f"{len(per_layer)} quantization_config entries name draft layers by checkpoint index "
+            f"({', '.join(per_layer[:3])}{', ...' if len(per_layer) > 3 else ''}): vLLM numbers the draft's layers "
+            "after the target's (model.layers.93... for Kimi-K3), so they never match at runtime and those "
+            f"modules get the wrong scheme. Fix: {_REQUANTIZE}, which writes index-agnostic 're:' patterns"]
+
+
 def _check_quantization(
     report: CheckReport, qc: dict[str, Any], specs: list[ModuleSpec], stored: dict[str, StoredTensor]
 ) -> bool:
@@ -244,6 +272,7 @@ def _check_quantization(
                                f"needs exactly one. Fix: {_REQUANTIZE}")
     if not match.parsed:
         return False
+    report.problems += _per_layer_entry_problems(qc)
     fmts = sorted(set(match.quantized.values()))
     quantized_params = sum(math.prod(s.shape) for s in specs if s.name in match.quantized)
     dense_params = sum(math.prod(s.shape) + (s.shape[0] if s.bias else 0) for s in specs)

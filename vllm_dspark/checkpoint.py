@@ -67,7 +67,7 @@ _FORMAT_SUFFIXES: dict[str, tuple[str, ...]] = {
 
 _QUANTIZED_SUFFIXES = {suffix for suffixes in _FORMAT_SUFFIXES.values() for suffix in suffixes} - {"weight"}
 
-_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -244,7 +244,7 @@ def _weight_map(model_dir: Path) -> dict[str, Path]:
                      "Fix: pass the directory the checkpoint was downloaded or exported to.")
 
 
-def _checked_weight_map(model_dir: Path) -> dict[str, Path]:
+def checked_weight_map(model_dir: Path) -> dict[str, Path]:
     """The weight map, after checking that each shard holds exactly the tensors the index says."""
     weight_map = _weight_map(model_dir)
     by_file: dict[Path, set[str]] = {}
@@ -313,7 +313,7 @@ def load_drafter_state_dict(
     config = load_config(model_dir)
     raw = read_config_json(model_dir)
     quantized = _quantized_modules(raw, config, model_dir)
-    weight_map = _checked_weight_map(model_dir)
+    weight_map = checked_weight_map(model_dir)
     header = _header(weight_map)
     _check_quantized_storage(quantized, header, model_dir)
     validate_tensor_shapes({k: s for k, (s, _) in header.items()}, expected_tensor_shapes(config, quantized),
@@ -427,12 +427,12 @@ class SafetensorsWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._entries:
             raise ValueError(f"tensor {name!r} written twice to {self.path}.")
-        if tensor.dtype not in _SAFETENSORS_DTYPES:
+        if tensor.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} cannot be stored in safetensors.")
         t = tensor.detach().to("cpu").contiguous()
         size = t.numel() * t.element_size()
         self._data.write(t.reshape(-1).view(torch.uint8).numpy().data)
-        self._entries[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+        self._entries[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                                "data_offsets": [self.nbytes, self.nbytes + size]}
         self.nbytes += size
 

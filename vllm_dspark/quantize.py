@@ -29,6 +29,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import sys
 import time
 from collections import deque
@@ -45,12 +46,12 @@ from tqdm import tqdm
 from vllm_dspark import formats
 from vllm_dspark.check import StoredTensor, human_bytes, human_params, stored_tensors
 from vllm_dspark.checkpoint import (
+    SAFETENSORS_DTYPES,
     CONFIG_NAME,
     INDEX_NAME,
     expected_tensor_shapes,
     load_config,
     read_config_json,
-    save_drafter,
     validate_tensor_shapes,
 )
 from vllm_dspark.layout import FP8_RECIPE, QUANTIZABLE_KINDS, ModuleSpec, checkpoint_modules
@@ -82,41 +83,105 @@ class ModuleStats:
 
 
 @dataclass(frozen=True)
-class _Item:
-    """One input tensor: copied, or quantized as ``module`` in ``fmt``."""
+class _Entry:
+    """One output tensor as its shard header lists it."""
 
     key: str
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One input tensor: copied as is, or quantized as ``module`` in ``fmt``."""
+
+    key: str
+    stored: StoredTensor
     module: ModuleSpec | None = None
     fmt: str | None = None
+
+    def outputs(self) -> list[_Entry]:
+        if self.fmt is None:
+            return [_Entry(self.key, self.stored.dtype, self.stored.shape, self.stored.nbytes)]
+        return [
+            _Entry(f"{self.module.name}.{suffix}", SAFETENSORS_DTYPES[spec.dtype], spec.shape,
+                   math.prod(spec.shape) * spec.dtype.itemsize)
+            for suffix, spec in formats.quantized_tensor_specs(self.fmt, self.module.shape).items()
+        ]
 
 
 @dataclass(frozen=True)
 class _Plan:
     config_json: dict[str, Any]  # the output's config.json
     kinds: tuple[str, ...]  # the included module kinds
-    items: list[_Item]  # every input tensor, in checkpoint order
-    stored: dict[str, StoredTensor]
+    shards: dict[str, list[_Item]]  # output shard name -> its tensors, as the input shards hold them
 
 
-def _read(stored: dict[str, StoredTensor], key: str) -> torch.Tensor:
-    with safe_open(str(stored[key].shard), framework="pt") as f:
-        return f.get_tensor(key)
+class _PlannedShard:
+    """A safetensors file whose tensors are all known before its first byte is written.
+
+    The header goes first and every tensor's bytes stream straight to their place, so the output
+    is written exactly once (``checkpoint.SafetensorsWriter``, which learns tensors as they come,
+    spools them to a side file and copies that after the header: twice the writes).
+    """
+
+    def __init__(self, path: Path, entries: list[_Entry]) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for e in entries:
+            header[e.key] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+            offset += e.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format allows space padding; aligned data reads faster
+        self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._pending = deque(entries)
+
+    def _next(self, key: str) -> _Entry:
+        entry = self._pending.popleft()
+        assert entry.key == key, f"writing {key} where the header has {entry.key}"
+        return entry
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        entry = self._next(key)
+        assert (SAFETENSORS_DTYPES[tensor.dtype], tuple(tensor.shape)) == (entry.dtype, entry.shape), key
+        data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+        while data:  # an unbuffered write may be partial (Linux caps one at 2 GiB)
+            data = data[self._file.write(data):]
+
+    def copy(self, key: str, source: StoredTensor) -> None:
+        """Copy a tensor's bytes from its input shard: bit-identical by construction."""
+        self._next(key)
+        offset, remaining = source.offset, source.nbytes
+        with open(source.shard, "rb", buffering=0) as src:
+            while remaining:
+                try:  # in-kernel copy, no round trip through this process's memory
+                    n = os.copy_file_range(src.fileno(), self._file.fileno(), remaining, offset)
+                except (AttributeError, OSError):  # not Linux, or a filesystem pair it does not support
+                    n = self._file.write(os.pread(src.fileno(), min(remaining, 64 << 20), offset))
+                if n == 0:
+                    raise OSError(f"{source.shard} ended inside tensor {key}")
+                offset += n
+                remaining -= n
+
+    def close(self) -> None:
+        assert not self._pending, f"{len(self._pending)} planned tensors were never written"
+        self._file.close()
 
 
 def _ordered_map(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> Iterator[_R]:
-    """``map(fn, items)`` on ``workers`` threads, in order, with at most ``workers`` results pending.
+    """``map(fn, items)`` on ``workers`` threads, in order, computing at most ``workers`` ahead.
 
-    Threads suffice: torch releases the GIL in its kernels. The bound keeps memory at about
-    ``workers`` tensors in flight instead of the whole model.
+    The caller writes each result while the threads compute the next ones, so I/O and compute
+    overlap even with one worker; threads suffice because torch releases the GIL in its kernels.
+    The bound keeps memory at a few tensors in flight instead of the whole model.
     """
-    if workers <= 1:
-        yield from map(fn, items)
-        return
     with ThreadPoolExecutor(workers, thread_name_prefix="quantize") as pool:
         pending: deque = deque()
         for item in items:
             pending.append(pool.submit(fn, item))
-            if len(pending) >= workers:
+            if len(pending) > workers:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
@@ -145,40 +210,42 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
                            source=f"checkpoint {model_dir}", config=config)
     items = []
     for spec in checkpoint_modules(config):
-        fmt_here = fmt if spec.kind in kinds else None
-        items.append(_Item(f"{spec.name}.weight", spec if fmt_here else None, fmt_here))
+        key = f"{spec.name}.weight"
+        items.append(_Item(key, stored[key], spec, fmt) if spec.kind in kinds else _Item(key, stored[key]))
         if spec.bias:
-            items.append(_Item(f"{spec.name}.bias"))
+            items.append(_Item(f"{spec.name}.bias", stored[f"{spec.name}.bias"]))
+    shards: dict[str, list[_Item]] = {}
+    for item in items:
+        shards.setdefault(item.stored.shard.name, []).append(item)
     raw = dict(raw, quantization_config=formats.quantization_config(fmt, kinds, config))
-    return _Plan(raw, kinds, items, stored)
+    return _Plan(raw, kinds, dict(sorted(shards.items())))
 
 
-def _global_scales(items: list[_Item], stored: dict[str, StoredTensor], device: str) -> dict[str, torch.Tensor]:
+def _read(source: StoredTensor, key: str) -> torch.Tensor:
+    with safe_open(str(source.shard), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
     """NVFP4: one global scale per fused group (gate/up per layer, q_a/kv_a across layers)."""
-    quantized = {item.module.name: item.key for item in items if item.fmt == "nvfp4"}
+    quantized = {item.module.name: item for item in items if item.fmt == "nvfp4"}
     scales = {}
     for members in formats.fused_module_groups(quantized).values():
-        shared = formats.nvfp4_global_scale(_read(stored, quantized[m]).to(device) for m in members)
-        scales.update(dict.fromkeys(members, shared))
+        tensors = (_read(quantized[m].stored, quantized[m].key).to(device) for m in members)
+        scales.update(dict.fromkeys(members, formats.nvfp4_global_scale(tensors)))
     return scales
 
 
-def _process(
-    item: _Item, stored: dict[str, StoredTensor], device: str, global_scales: dict[str, torch.Tensor]
-) -> tuple[list[tuple[str, torch.Tensor]], ModuleStats | None]:
-    tensor = _read(stored, item.key)
-    if item.fmt is None:
-        return [(item.key, tensor)], None  # copied as read: same dtype, same bytes
+def _quantize(item: _Item, device: str, global_scales: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], ModuleStats]:
     spec = item.module
-    weight = tensor.to(device)
+    weight = _read(item.stored, item.key).to(device)
     parts = formats.quantize_weight(weight, item.fmt, global_scale=global_scales.get(spec.name))
-    snr = formats.weight_snr_db(weight, parts, item.fmt)
-    out = [(f"{spec.name}.{suffix}", parts[suffix].cpu()) for suffix in formats.quantized_tensor_specs(item.fmt, spec.shape)]
     stats = ModuleStats(
-        module=spec.name, kind=spec.kind, layer=spec.layer, format=item.fmt, params=tensor.numel(),
-        bytes_before=stored[item.key].nbytes, bytes_after=sum(t.numel() * t.element_size() for _, t in out), snr_db=snr,
+        module=spec.name, kind=spec.kind, layer=spec.layer, format=item.fmt, params=weight.numel(),
+        bytes_before=item.stored.nbytes, bytes_after=sum(e.nbytes for e in item.outputs()),
+        snr_db=formats.weight_snr_db(weight, parts, item.fmt),
     )
-    return out, stats
+    return {k: v.cpu() for k, v in parts.items()}, stats
 
 
 def _prepare_output(model_dir: Path, output_dir: Path, overwrite: bool) -> Path:
@@ -199,9 +266,8 @@ def _prepare_output(model_dir: Path, output_dir: Path, overwrite: bool) -> Path:
 
 def _copy_other_files(model_dir: Path, staging: Path) -> None:
     """Copy what is not weights or config (tokenizer, README, the target's shared heads) along."""
-    skip = {CONFIG_NAME, INDEX_NAME}
     for path in model_dir.iterdir():
-        if path.is_file() and path.name not in skip and path.suffix != ".safetensors":
+        if path.is_file() and path.name not in (CONFIG_NAME, INDEX_NAME) and path.suffix != ".safetensors":
             shutil.copy2(path, staging / path.name)
     if (model_dir / TARGET_DIR).is_dir():
         shutil.copytree(model_dir / TARGET_DIR, staging / TARGET_DIR)
@@ -269,28 +335,38 @@ def _report_markdown(report: dict[str, Any]) -> str:
 
 def _write_quantized(plan: _Plan, staging: Path, fmt: str, device: str, workers: int, progress: bool) -> dict[str, Any]:
     """Stream every tensor of ``plan`` through the quantizer into ``staging``; returns the report."""
-    items, stored = plan.items, plan.stored
     start = time.perf_counter()
+    items = [item for shard_items in plan.shards.values() for item in shard_items]
+    global_scales = _global_scales(items, device) if fmt == "nvfp4" else {}
+
+    def work(item: _Item) -> tuple[dict[str, torch.Tensor], ModuleStats] | None:
+        return None if item.fmt is None else _quantize(item, device, global_scales)
+
+    results = _ordered_map(work, items, workers)
     modules: list[ModuleStats] = []
-    written = 0
-    global_scales = _global_scales(items, stored, device) if fmt == "nvfp4" else {}
-    bar = tqdm(total=sum(stored[i.key].nbytes for i in items), unit="B", unit_scale=True,
-               desc=f"quantize {fmt}", disable=None if progress else True)
-
-    def output_tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        nonlocal written
-        results = _ordered_map(lambda item: _process(item, stored, device, global_scales), items, workers)
-        for item, (out, stats) in zip(items, results):
-            if stats is not None:
-                modules.append(stats)
-            for key, tensor in out:
-                written += tensor.numel() * tensor.element_size()
-                yield key, tensor
-            bar.update(stored[item.key].nbytes)
-
-    save_drafter(staging, plan.config_json, output_tensors())
-    bar.close()
-    return _summarise(fmt, plan.kinds, modules, stored, written, time.perf_counter() - start)
+    weight_map: dict[str, str] = {}
+    with tqdm(total=sum(i.stored.nbytes for i in items), unit="B", unit_scale=True, desc=f"quantize {fmt}",
+              disable=None if progress else True) as bar:
+        for shard_name, shard_items in plan.shards.items():
+            entries = [e for item in shard_items for e in item.outputs()]
+            shard = _PlannedShard(staging / shard_name, entries)
+            for item, result in zip(shard_items, results):
+                if item.fmt is None:
+                    shard.copy(item.key, item.stored)
+                else:
+                    parts, stats = result
+                    for suffix in formats.quantized_tensor_specs(item.fmt, item.module.shape):
+                        shard.write(f"{item.module.name}.{suffix}", parts[suffix])
+                    modules.append(stats)
+                bar.update(item.stored.nbytes)
+            shard.close()
+            weight_map.update(dict.fromkeys((e.key for e in entries), shard_name))
+    total = sum(e.nbytes for item in items for e in item.outputs())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    (staging / CONFIG_NAME).write_text(json.dumps(plan.config_json, indent=2) + "\n")
+    stored = {item.key: item.stored for item in items}
+    return _summarise(fmt, plan.kinds, modules, stored, total, time.perf_counter() - start)
 
 
 def quantize_checkpoint(
