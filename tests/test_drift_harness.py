@@ -100,7 +100,8 @@ def test_quantized_checkpoint_directory_matches_the_on_the_fly_format(tiny_check
     """A directory written by `vllm-dspark quantize` scores exactly like the same format made on the fly."""
     quantize = pytest.importorskip("vllm_dspark.quantize")
     out = tmp_path / "ckpt-fp8"
-    assert quantize.main(["--model_dir", str(tiny_checkpoint), "--output_dir", str(out), "--quant_format", "fp8"]) in (0, None)
+    argv = ["--model_dir", str(tiny_checkpoint), "--output_dir", str(out), "--quant_format", "fp8"]
+    assert quantize.main(argv) in (0, None)
     spec = EvalSpec(model=str(tiny_checkpoint), variants=("fp8", str(out)), regimes=("gauss",), blocks=8,
                     batch_size=4, context_len=8, resamples=20, progress=False)
     results = run(spec)

@@ -28,9 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-dspark eval",
         description="Measure how far BF16 / quantized builds of a K3 DSpark drafter drift from its FP32 "
-        "reference on identical inputs, with 95 %% bootstrap CIs. Writes results.json, results.md and "
+        "reference on identical inputs, with 95 % bootstrap CIs. Writes results.json, results.md and "
         "PNG plots into --out.",
-        epilog=drift_pkg.__doc__.replace("%", "%%"),
+        epilog=drift_pkg.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", required=True, help="the unquantized drafter directory (the reference)")
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--include-layers", nargs="+", default=list(FP8_RECIPE),
                         help="module kinds quantized by the on-the-fly formats (default: the published FP8 "
                         "build's: " + " ".join(FP8_RECIPE) + ")")
-    parser.add_argument("--batch-size", type=int, default=16, help="blocks per forward pass (default 16)")
+    parser.add_argument("--batch-size", type=int, default=32, help="blocks per forward pass (default 32)")
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser

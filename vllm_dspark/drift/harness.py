@@ -57,7 +57,7 @@ class EvalSpec:
     variants: tuple[str, ...] = ("bf16", "fp8", "mxfp4", "nvfp4")
     regimes: tuple[str, ...] = REGIMES
     blocks: int = 1024
-    batch_size: int = 16
+    batch_size: int = 32
     context_len: int = 32
     positions: tuple[int, ...] = ()  # anchor positions to sweep, beyond the base position context_len
     seed: int = 0
@@ -205,7 +205,8 @@ def load_variant(name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads
         raw = read_config_json(name)
         source = f"checkpoint {name} ({'quantized' if 'quantization_config' in raw else 'unquantized'}), in BF16"
     else:
-        raise ValueError(f"unknown variant {name!r}: use one of {', '.join(BUILTIN_VARIANTS)} or a checkpoint directory")
+        raise ValueError(f"unknown variant {name!r}: use one of {', '.join(BUILTIN_VARIANTS)} "
+                         "or a checkpoint directory")
     drafter = ReferenceDrafter.from_state_dict(config, state_dict, embed_tokens=heads.embed, lm_head=heads.lm_head,
                                                compute_dtype=torch.bfloat16, device=spec.device)
     return drafter, source
@@ -250,6 +251,14 @@ def reference_cell(reference: ReferenceDrafter, cell_batches: Iterator[Batch], b
     return out
 
 
+def _divergence(ref_logits: torch.Tensor, var_logits: torch.Tensor, rows: int = 4) -> metrics.TokenDivergence:
+    """:func:`metrics.token_divergence` a few blocks at a time: its float64 temporaries are
+    ~10 x ``[rows, N, V]``, a few hundred MiB per 4 blocks at V = 163840."""
+    parts = [metrics.token_divergence(r, v) for r, v in zip(ref_logits.split(rows), var_logits.split(rows))]
+    fields = ("overlap", "kl", "reverse_kl")
+    return metrics.TokenDivergence(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
+
+
 @torch.inference_mode()
 def variant_cell(variant: ReferenceDrafter, reference: ReferenceDrafter, ref: ReferenceCell,
                  cell_batches: Iterator[Batch], bar: tqdm) -> metrics.BlockRecords:
@@ -266,7 +275,7 @@ def variant_cell(variant: ReferenceDrafter, reference: ReferenceDrafter, ref: Re
         del logits
         ref_logits = markov_rollout(reference.base_logits(ref.hidden[i]), batch.anchors, reference.markov_embed,
                                     reference.markov_bias, forced_prev=forced).logits
-        div = metrics.token_divergence(ref_logits, forced_var.logits)
+        div = _divergence(ref_logits, forced_var.logits)
         parts.append(metrics.BlockRecords(
             tf_agree=(forced_var.tokens == ref_tokens).cpu().numpy(),
             rollout_agree=(free.tokens == ref_tokens).cpu().numpy(),
@@ -299,6 +308,10 @@ def validate(spec: EvalSpec, config: K3DSparkConfig) -> None:
     if spec.blocks < 2 or spec.batch_size < 1 or spec.context_len < 1:
         raise ValueError("--blocks must be >= 2 (a bootstrap needs blocks to resample), --batch-size and "
                          "--context-len >= 1")
+    unknown = [v for v in spec.variants if v not in BUILTIN_VARIANTS and not Path(v).is_dir()]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {', '.join(map(repr, unknown))}: use {', '.join(BUILTIN_VARIANTS)} "
+                         "or checkpoint directories")
     labels = [variant_label(v) for v in spec.variants]
     if len(set(labels)) != len(labels):
         raise ValueError(f"variant labels must be unique, got {labels}")
@@ -328,7 +341,8 @@ def run(spec: EvalSpec) -> dict[str, Any]:
     ref_cells: dict[tuple[str, int], ReferenceCell] = {}
     with tqdm(total=total, desc="reference fp32", unit="block", disable=not spec.progress) as bar:
         for regime, position in cells:
-            ref_cells[regime, position] = reference_cell(reference, batches(spec, config, blocks, regime, position), bar)
+            cell_batches = batches(spec, config, blocks, regime, position)
+            ref_cells[regime, position] = reference_cell(reference, cell_batches, bar)
     timing["reference_s"] = time.perf_counter() - t0
 
     indices = metrics.bootstrap_indices(spec.blocks, spec.resamples, spec.seed)

@@ -148,7 +148,9 @@ def estimate(statistic: Callable[..., np.ndarray], arrays: Sequence[np.ndarray],
     return Estimate(float(value), float(lo), float(hi))
 
 
-def estimates(statistic: Callable[..., np.ndarray], arrays: Sequence[np.ndarray], indices: np.ndarray) -> list[Estimate]:
+def estimates(
+    statistic: Callable[..., np.ndarray], arrays: Sequence[np.ndarray], indices: np.ndarray
+) -> list[Estimate]:
     """:func:`bootstrap` of a vector statistic (one value per position) as a list of :class:`Estimate`."""
     value, lo, hi = bootstrap(statistic, arrays, indices)
     return [Estimate(float(v), float(a), float(b)) for v, a, b in zip(value, lo, hi)]

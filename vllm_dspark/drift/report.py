@@ -75,6 +75,15 @@ def ceiling_summary(results: dict[str, Any]) -> str:
     return "\n".join(_table(["variant"] + list(cfg["regimes"]), rows))
 
 
+def position_table(results: dict[str, Any], regime: str, key: str = "ceiling") -> str:
+    """``key`` per variant (rows) and anchor position (columns) in one regime."""
+    cfg = results["config"]
+    kind = {k: kind for k, _, kind in COLUMNS}[key]
+    rows = [[v] + [fmt(_cell(results, v, regime, p)["metrics"][key], kind) for p in cfg["positions"]]
+            for v in cfg["variants"]]
+    return "\n".join(_table(["variant"] + [position_label(p) for p in cfg["positions"]], rows))
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The card-style report: ceiling summary, the full metric set per regime, the position sweep."""
     cfg = results["config"]
@@ -103,16 +112,13 @@ def markdown(results: dict[str, Any]) -> str:
             ]
             lines += _table(["variant"] + [h for _, h, _ in COLUMNS], rows)
         lines += ["", f"Per-position sequential-rollout agreement % ({regime}, anchor at {position_label(base)}):", ""]
-        rows = [
-            [v] + [f"{100 * e['value']:.1f}" for e in _cell(results, v, regime, base)["metrics"]["per_position"]["rollout_agreement"]]
-            for v in variants
-        ]
+        curves = {v: _cell(results, v, regime, base)["metrics"]["per_position"]["rollout_agreement"] for v in variants}
+        rows = [[v] + [f"{100 * e['value']:.1f}" for e in curves[v]] for v in variants]
         lines += _table(["variant"] + [str(i + 1) for i in range(block)], rows)
     if len(positions) > 1:
         lines += ["", "## Position sweep: ceiling τ by anchor position", ""]
         for regime in regimes:
-            rows = [[v] + [fmt(_cell(results, v, regime, p)["metrics"]["ceiling"], "tau") for p in positions] for v in variants]
-            lines += [f"{regime}:", ""] + _table(["variant"] + [position_label(p) for p in positions], rows) + [""]
+            lines += [f"{regime}:", "", position_table(results, regime), ""]
     lines += ["", "## Method", "", results["methodology"].strip()]
     return "\n".join(lines) + "\n"
 
@@ -145,7 +151,8 @@ def plot_agreement(results: dict[str, Any], path: Path, plt) -> None:
         for i, v in enumerate(cfg["variants"]):
             pp = _cell(results, v, regime, cfg["positions"][0])["metrics"]["per_position"]
             color = f"C{i}"
-            for key, style, label in (("greedy_agreement", "-", "teacher-forced"), ("rollout_agreement", "--", "rollout")):
+            for key, style, label in (("greedy_agreement", "-", "teacher-forced"),
+                                      ("rollout_agreement", "--", "rollout")):
                 ys = [100 * e["value"] for e in pp[key]]
                 ax.plot(x, ys, style, color=color, marker="o", ms=3, label=f"{v} {label}")
                 ax.fill_between(x, [100 * e["lo"] for e in pp[key]], [100 * e["hi"] for e in pp[key]],

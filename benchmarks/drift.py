@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Drift harness at real shapes: the ``k3`` preset, all three aux regimes, BF16 / FP8 / MXFP4 / NVFP4.
+
+Runs ``vllm-dspark eval``'s harness on a random drafter with the published config's shapes and
+realistic weight scales (``vllm-dspark make-random --preset k3 --seed 0``, created if ``--model``
+does not exist) and writes the full report (results.json, results.md, PNG plots) under
+``benchmarks/results/drift/``, plus the throughput / headline table ``benchmarks/results/drift.md``
+that the README shows.
+
+The weights are random: the figures exercise the harness at real shapes and rank the formats on
+this model; they are not the published checkpoint's drift. The k3 run holds ~17 GiB and takes the
+machine's cores, so on shared machines run it under the k3 lock:
+
+    flock /tmp/k3.lock python -m benchmarks.drift [--model /tmp/k3] [--blocks 384]
+
+The long-context sweep (anchor positions through the YaRN range) is a separate, smaller run:
+
+    flock /tmp/k3.lock python -m benchmarks.drift --name drift_positions --regimes heavy \
+        --variants bf16 fp8 --positions 4k 32k 128k 1000k --blocks 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESULTS_DIR, environment, format_table, write_result
+from vllm_dspark.drift.cli import parse_position
+from vllm_dspark.drift.harness import EvalSpec, run
+from vllm_dspark.drift.report import COLUMNS, ceiling_summary, fmt, position_table, write_report
+
+
+def _model(path: Path | None, preset: str) -> Path:
+    """The drafter to evaluate: ``path``, or the preset's shared random drafter (written if missing)."""
+    from vllm_dspark.checkpoint import read_config_json
+    from vllm_dspark.presets import preset_config_json
+
+    path = path or Path("/tmp/k3" if preset == "k3" else f"/tmp/vllm-dspark-{preset}")
+    if not (path / "config.json").exists():
+        from vllm_dspark.make_random import make_random
+
+        print(f"{path} does not exist: writing a random {preset} drafter there (make-random --seed 0)")
+        return make_random(path, preset, seed=0)
+    found, wanted = read_config_json(path), preset_config_json(preset)
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+    if any(found.get(k) != wanted[k] for k in sizes):
+        raise SystemExit(f"{path} is not a {preset} drafter ({', '.join(f'{k}={found.get(k)}' for k in sizes)}); "
+                         "pass --model for a drafter of that preset, or the --preset it was made with")
+    return path
+
+
+def _display(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it (as the README links it)."""
+    try:
+        return str(path.resolve().relative_to(Path(__file__).resolve().parent.parent))
+    except ValueError:
+        return str(path)
+
+
+def _worst_half_width(results: dict[str, Any], key: str) -> float:
+    """The widest 95 % CI half-width of ``key`` over every cell, in percentage points."""
+    return max(100 * (c["metrics"][key]["hi"] - c["metrics"][key]["lo"]) / 2 for c in results["cells"])
+
+
+def headline(results: dict[str, Any], report_dir: str) -> str:
+    """The README table: throughput, CI widths, the ceiling summary and the heavy-regime metric set."""
+    cfg, timing = results["config"], results["timing"]
+    cells = len(cfg["regimes"]) * len(cfg["positions"])
+    row = {
+        "preset": cfg["preset"],
+        "blocks/regime": cfg["blocks"],
+        "context": cfg["context_len"],
+        "variants": len(cfg["variants"]),
+        "wall_min": timing["total_s"] / 60,
+        "ref_blocks_per_s": cfg["blocks"] * cells / timing["reference_s"],
+        "variant_blocks_per_s": timing["blocks_per_s"],
+        "worst_CI_greedy_pp": _worst_half_width(results, "greedy_agreement"),
+        "worst_CI_rollout_pp": _worst_half_width(results, "rollout_agreement"),
+    }
+    lines = [format_table([row], list(row)), "",
+             "Drift-limited acceptance ceiling τ (bonus token included, max "
+             f"{cfg['block_size'] + 1}) — random weights at the real shapes, not the published checkpoint:",
+             "", ceiling_summary(results)]
+    if "heavy" in cfg["regimes"]:
+        base = cfg["positions"][0]
+        rows = []
+        for v in cfg["variants"]:
+            (cell,) = [c for c in results["cells"] if (c["variant"], c["regime"], c["position"]) == (v, "heavy", base)]
+            rows.append("| " + " | ".join([v] + [fmt(cell["metrics"][k], kind) for k, _, kind in COLUMNS]) + " |")
+        lines += ["", "Full metric set, heavy regime:", "",
+                  "| variant | " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 1),
+                  *rows]
+    if len(cfg["positions"]) > 1:
+        for regime in cfg["regimes"]:
+            lines += ["", f"Position sweep, {regime} regime: ceiling τ and greedy agreement % by anchor position "
+                      "(short context at offset position ids):", "", position_table(results, regime), "",
+                      position_table(results, regime, "greedy_agreement")]
+    lines += ["", f"Plots and every figure with its CI: `{report_dir}/`."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.drift", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="k3", choices=["tiny", "small", "k3"],
+                        help="the drafter's preset (default k3, the published shapes)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="drafter directory with target/ (default /tmp/k3 for k3, /tmp/vllm-dspark-PRESET "
+                        "otherwise; a random one is written there if missing)")
+    parser.add_argument("--blocks", type=int, default=384, help="blocks per regime (default 384)")
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="blocks per pass (default 64: the FP32 reference's GEMMs run ~2x faster than at 16)")
+    parser.add_argument("--context-len", type=int, default=32)
+    parser.add_argument("--regimes", nargs="+", default=["gauss", "heavy", "boot"])
+    parser.add_argument("--variants", nargs="+", default=["bf16", "fp8", "mxfp4", "nvfp4"])
+    parser.add_argument("--positions", nargs="*", type=parse_position, default=(),
+                        help="anchor positions to sweep as well (multiplies the run time)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default="drift",
+                        help="result name: benchmarks/results/NAME.{json,md} and, by default, the report in "
+                        "benchmarks/results/NAME/ (default drift, the table the README shows)")
+    parser.add_argument("--out", type=Path, default=None, help="report directory (default benchmarks/results/NAME)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    out = args.out or RESULTS_DIR / args.name
+    model = _model(args.model, args.preset)
+    spec = EvalSpec(model=str(model), variants=tuple(args.variants), regimes=tuple(args.regimes), blocks=args.blocks,
+                    batch_size=args.batch_size, context_len=args.context_len, positions=tuple(args.positions),
+                    seed=args.seed, progress=not args.no_progress)
+    start = time.perf_counter()
+    results = run(spec)
+    results["timing"]["total_s"] = time.perf_counter() - start
+    results["config"]["preset"] = args.preset
+    results["environment"] = environment()
+    files = write_report(results, out)
+    payload = {"preset": args.preset, "model": str(model), "report": _display(out), "timing": results["timing"],
+               "config": {k: results["config"][k] for k in ("variants", "regimes", "blocks", "batch_size",
+                                                            "context_len", "positions", "seed", "recipe")},
+               "ceiling": {f"{c['variant']}/{c['regime']}/{c['position']}": c["metrics"]["ceiling"]
+                           for c in results["cells"]}}
+    write_result(args.name, payload, headline(results, _display(out)))
+    print("\n".join(f"wrote {f}" for f in files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
