@@ -65,6 +65,7 @@ def _plugin_layer(w_fp8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.nn.Mo
     """A layer built, loaded and finalised by vLLM's W8A16 FP8 scheme, as the model does."""
     from compressed_tensors.quantization import QuantizationArgs
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A16Fp8
+    from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     from vllm_dspark import cpu_w8a16
@@ -72,13 +73,15 @@ def _plugin_layer(w_fp8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.nn.Mo
     cpu_w8a16.install()
     n, k = w_fp8.shape
     args = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False)
-    scheme = CompressedTensorsW8A16Fp8(weight_quant=args, is_static_input_scheme=False)
-    layer = torch.nn.Module()
-    scheme.create_weights(layer, input_size_per_partition=k, output_partition_sizes=[n], input_size=k,
-                          output_size=n, params_dtype=torch.bfloat16, weight_loader=default_weight_loader)
-    layer.weight.data.copy_(w_fp8)
-    layer.weight_scale.data.copy_(scale)
-    scheme.process_weights_after_loading(layer)
+    # vLLM builds and loads a model under its dtype as torch's default; the scheme reads it.
+    with set_default_torch_dtype(torch.bfloat16):
+        scheme = CompressedTensorsW8A16Fp8(weight_quant=args, is_static_input_scheme=False)
+        layer = torch.nn.Module()
+        scheme.create_weights(layer, input_size_per_partition=k, output_partition_sizes=[n], input_size=k,
+                              output_size=n, params_dtype=torch.bfloat16, weight_loader=default_weight_loader)
+        layer.weight.data.copy_(w_fp8)
+        layer.weight_scale.data.copy_(scale)
+        scheme.process_weights_after_loading(layer)
     return layer, scheme
 
 

@@ -25,7 +25,11 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
      "python -m benchmarks reference"),
     ("fp8_linear", "FP8 weight-only linear on CPU at the real layer shapes", "python -m benchmarks fp8-linear"),
     ("quantizer", "Quantizer throughput and peak memory (`k3` preset)", "python -m benchmarks quantizer"),
-    ("drift", "Drift harness throughput at real shapes", "python -m benchmarks drift"),
+    ("drift", "Drift of each format from the FP32 reference at real shapes (`k3` preset, random weights)",
+     "python -m benchmarks drift"),
+    ("drift_positions", "Drift through the YaRN range: the block at far context positions (`k3`, random weights)",
+     "python -m benchmarks drift --name drift_positions --regimes heavy --variants bf16 fp8 "
+     "--positions 4k 32k 128k 1000k --blocks 64"),
     ("register_overhead", "Plugin cost per vLLM process", "python -m benchmarks register"),
 )
 
