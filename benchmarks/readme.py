@@ -29,7 +29,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
      "python -m benchmarks drift"),
     ("drift_positions", "Drift through the YaRN range: the block at far context positions (`k3`, random weights)",
      "python -m benchmarks drift --name drift_positions --regimes heavy --variants bf16 fp8 "
-     "--positions 4k 32k 128k 1000k --blocks 64"),
+     "--positions 4k 32k 128k 1000k --blocks 128"),
     ("register_overhead", "Plugin cost per vLLM process", "python -m benchmarks register"),
 )
 
