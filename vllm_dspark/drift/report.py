@@ -139,7 +139,8 @@ def _pyplot():
 
 
 def _axes_row(plt, n: int, width: float = 4.2, height: float = 3.4):
-    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
+    # A single panel still needs room for the figure title.
+    fig, axes = plt.subplots(1, n, figsize=(max(width * n, 6.5), height), squeeze=False)
     return fig, list(axes[0])
 
 
