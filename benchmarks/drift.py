@@ -4,19 +4,17 @@
 Runs ``vllm-dspark eval``'s harness on a random drafter with the published config's shapes and
 realistic weight scales (``vllm-dspark make-random --preset k3 --seed 0``, created if ``--model``
 does not exist) and writes the full report (results.json, results.md, PNG plots) under
-``benchmarks/results/drift/``, plus the throughput / headline table ``benchmarks/results/drift.md``
-that the README shows.
+``benchmarks/results/NAME/``, plus the headline table ``benchmarks/results/NAME.md`` that the
+README shows. With ``--speed`` it writes only the per-pass throughput table (no report).
 
 The weights are random: the figures exercise the harness at real shapes and rank the formats on
 this model; they are not the published checkpoint's drift. The k3 run holds ~17 GiB and takes the
-machine's cores, so on shared machines run it under the k3 lock:
+machine's cores, so on shared machines run it under the k3 lock. ``python -m benchmarks`` names
+the committed runs (``drift``, ``drift-positions``, ``drift-speed``):
 
-    flock /tmp/k3.lock python -m benchmarks.drift [--model /tmp/k3] [--blocks 384]
-
-The long-context sweep (anchor positions through the YaRN range) is a separate, smaller run:
-
-    flock /tmp/k3.lock python -m benchmarks.drift --name drift_positions --regimes heavy \
-        --variants bf16 fp8 --positions 4k 32k 128k 1000k --blocks 128
+    flock /tmp/k3.lock python -m benchmarks drift            # 640 blocks per regime, ~55 min
+    flock /tmp/k3.lock python -m benchmarks drift-positions  # the YaRN-range sweep
+    flock /tmp/k3.lock python -m benchmarks drift-speed      # blocks per second, 64 blocks per regime
 """
 
 from __future__ import annotations
@@ -30,7 +28,8 @@ from typing import Any
 from benchmarks.common import RESULTS_DIR, environment, format_table, write_result
 from vllm_dspark.drift.cli import parse_position
 from vllm_dspark.drift.harness import EvalSpec, run
-from vllm_dspark.drift.report import COLUMNS, ceiling_summary, fmt, position_table, write_report
+from vllm_dspark.drift.report import (COLUMNS, ceiling_summary, fmt, position_table, worst_half_width_pp,
+                                      write_report)
 
 
 def _model(path: Path | None, preset: str) -> Path:
@@ -60,9 +59,33 @@ def _display(path: Path) -> str:
         return str(path)
 
 
-def _worst_half_width(results: dict[str, Any], key: str) -> float:
-    """The widest 95 % CI half-width of ``key`` over every cell, in percentage points."""
-    return max(100 * (c["metrics"][key]["hi"] - c["metrics"][key]["lo"]) / 2 for c in results["cells"])
+def _config_summary(results: dict[str, Any]) -> dict[str, Any]:
+    keys = ("variants", "regimes", "blocks", "batch_size", "context_len", "positions", "seed", "recipe")
+    return {k: results["config"][k] for k in keys}
+
+
+def speed_table(results: dict[str, Any]) -> str:
+    """Seconds and blocks per second of each pass, each against the FP32 reference of the same run."""
+    cfg, timing = results["config"], results["timing"]
+    blocks = cfg["blocks"] * len(cfg["regimes"]) * len(cfg["positions"])
+    ref_rate = blocks / timing["reference_s"]
+    rows = []
+    if "boot" in cfg["regimes"]:
+        rows.append({"pass": "boot aux states (BF16, causal)", "load_s": 0.0, "seconds": timing["inputs_s"],
+                     "blocks": cfg["blocks"], "blocks_per_s": cfg["blocks"] / timing["inputs_s"]})
+    rows.append({"pass": "reference (FP32)", "load_s": timing["load_reference_s"], "seconds": timing["reference_s"],
+                 "blocks": blocks, "blocks_per_s": ref_rate})
+    for v in cfg["variants"]:
+        seconds = timing[f"eval_{v}_s"]
+        rows.append({"pass": f"{v} (BF16 compute)", "load_s": timing[f"load_{v}_s"], "seconds": seconds,
+                     "blocks": blocks, "blocks_per_s": blocks / seconds})
+    for row in rows:
+        row["vs_reference"] = row["blocks_per_s"] / ref_rate
+    total = {"pass": "whole run (inputs, loads, every pass)", "seconds": timing["total_s"]}
+    table = format_table([*rows, total], ["pass", "load_s", "seconds", "blocks", "blocks_per_s", "vs_reference"])
+    return (f"`{cfg['preset']}` preset, {cfg['blocks']} blocks per regime ({', '.join(cfg['regimes'])}) in batches "
+            f"of {cfg['batch_size']}, context {cfg['context_len']} tokens; `load_s` includes quantizing on the fly."
+            f"\n\n{table}")
 
 
 def headline(results: dict[str, Any], report_dir: str) -> str:
@@ -77,8 +100,8 @@ def headline(results: dict[str, Any], report_dir: str) -> str:
         "wall_min": timing["total_s"] / 60,
         "ref_blocks_per_s": cfg["blocks"] * cells / timing["reference_s"],
         "variant_blocks_per_s": timing["blocks_per_s"],
-        "worst_CI_greedy_pp": _worst_half_width(results, "greedy_agreement"),
-        "worst_CI_rollout_pp": _worst_half_width(results, "rollout_agreement"),
+        "worst_CI_greedy_pp": worst_half_width_pp(results, ["greedy_agreement"]),
+        "worst_CI_rollout_pp": worst_half_width_pp(results, ["rollout_agreement"]),
     }
     lines = [format_table([row], list(row)), "",
              "Drift-limited acceptance ceiling τ (bonus token included, max "
@@ -110,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=None,
                         help="drafter directory with target/ (default /tmp/k3 for k3, /tmp/vllm-dspark-PRESET "
                         "otherwise; a random one is written there if missing)")
-    parser.add_argument("--blocks", type=int, default=384, help="blocks per regime (default 384)")
+    parser.add_argument("--blocks", type=int, default=640,
+                        help="blocks per regime (default 640: worst 95 %% CI half-width under 2 pp at k3)")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="blocks per pass (default 64: the FP32 reference's GEMMs run ~2x faster than at 16)")
     parser.add_argument("--context-len", type=int, default=32)
@@ -123,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="result name: benchmarks/results/NAME.{json,md} and, by default, the report in "
                         "benchmarks/results/NAME/ (default drift, the table the README shows)")
     parser.add_argument("--out", type=Path, default=None, help="report directory (default benchmarks/results/NAME)")
+    parser.add_argument("--speed", action="store_true",
+                        help="write only the per-pass throughput table (NAME.{json,md}), not the quality report")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
@@ -136,10 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     results["timing"]["total_s"] = time.perf_counter() - start
     results["config"]["preset"] = args.preset
     results["environment"] = environment()
+    if args.speed:
+        write_result(args.name, {"preset": args.preset, "model": str(model), "timing": results["timing"],
+                                 "config": _config_summary(results)}, speed_table(results))
+        return 0
     files = write_report(results, out)
     payload = {"preset": args.preset, "model": str(model), "report": _display(out), "timing": results["timing"],
-               "config": {k: results["config"][k] for k in ("variants", "regimes", "blocks", "batch_size",
-                                                            "context_len", "positions", "seed", "recipe")},
+               "config": _config_summary(results),
                "ceiling": {f"{c['variant']}/{c['regime']}/{c['position']}": c["metrics"]["ceiling"]
                            for c in results["cells"]}}
     write_result(args.name, payload, headline(results, _display(out)))

@@ -1,11 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Latency of one drafted block of the reference drafter on this CPU, FP32 and BF16 compute.
 
-One block = ``ReferenceDrafter.draft`` for one request: the context path (context_proj, every
-layer's KV latents), the 7-token block through all layers, lm_head, the sequential Markov rollout
-(W2 read once per position) and the confidence head. At batch 1 this is a stream of the weights, so
-the figure that matters is achieved bandwidth: bytes of weights read per block / time, next to a
-memory-copy bandwidth measured in the same run.
+One block = ``ReferenceDrafter.draft`` for one request in a decode step: the context path
+(context_proj, every layer's KV latents) over the tokens verified since the previous block (at most
+block_size + 1 = 8, the default ``--context-len``; earlier tokens' latents are already in the KV
+cache), the 7-token block through all layers, lm_head, the sequential Markov rollout (W2 read once
+per position) and the confidence head. At batch 1 this is a stream of the weights, so the figure
+that matters is achieved bandwidth: bytes of weights read per block / time, next to a memory-copy
+bandwidth measured in the same run. (A long ``--context-len`` measures prefill, which is
+compute-bound: 64 tokens through context_proj alone are ~33 GFLOP.)
 
 Weights are stored BF16 in both runs (the checkpoint's dtype; FP32 compute upcasts them per use),
 so ``weight_bytes`` is the same for both. Run the ``k3`` preset (about 9 GiB resident) under
@@ -73,7 +76,7 @@ def _drafters(config: K3DSparkConfig, model_dir: Path | None, seed: int) -> dict
             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
 
 
-def run(preset: str, repeats: int, *, model_dir: str | Path | None = None, context_len: int = 64,
+def run(preset: str, repeats: int, *, model_dir: str | Path | None = None, context_len: int = 8,
         seed: int = 0) -> dict[str, Any]:
     """Time one block at ``preset`` (weights from ``model_dir`` if given, else random) in FP32 and BF16."""
     config = preset_config(preset)
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=list(PRESETS), default="k3")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--context-len", type=int, default=64, help="context tokens before the block (default 64)")
+    parser.add_argument("--context-len", type=int, default=8,
+                        help="context tokens projected with the block (default 8: one decode step's verified tokens)")
     parser.add_argument("--model", type=Path, default=None,
                         help="a drafter directory (e.g. from make-random, with target/) "
                              "instead of fresh random weights")

@@ -16,22 +16,22 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.registry import BENCHMARKS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SMOKE_ARGS: dict[str, list[str]] = {
     "reference": ["--preset", "tiny", "--repeats", "1", "--context-len", "8"],
     "fp8-linear": ["--preset", "tiny", "--repeats", "1"],
     "quantizer": ["--preset", "tiny"],
-    "drift": ["--preset", "tiny", "--blocks", "8"],
+    "drift-speed": ["--preset", "tiny", "--blocks", "4"],
     "register": ["--samples", "1"],
+    "drift": ["--preset", "tiny", "--blocks", "8"],
+    "drift-positions": ["--preset", "tiny", "--blocks", "4"],
 }
-RESULT_NAME = {"reference": "reference_latency", "fp8-linear": "fp8_linear", "quantizer": "quantizer",
-               "drift": "drift", "register": "register_overhead"}
 
 
 def test_every_benchmark_has_a_smoke_run() -> None:
-    from benchmarks.__main__ import BENCHMARKS
-
     assert set(BENCHMARKS) == set(SMOKE_ARGS)
 
 
@@ -41,12 +41,19 @@ def test_benchmark_runs_at_the_tiny_preset(name: str, tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "benchmarks", name, *SMOKE_ARGS[name]], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    result = json.loads((tmp_path / f"{RESULT_NAME[name]}.json").read_text())
-    assert result["benchmark"] == RESULT_NAME[name]
+    result_name = BENCHMARKS[name].result
+    result = json.loads((tmp_path / f"{result_name}.json").read_text())
+    assert result["benchmark"] == result_name
     assert "environment" in result
-    table = (tmp_path / f"{RESULT_NAME[name]}.md").read_text()
-    assert table.startswith("|") and table.count("\n") >= 2
-    assert table.splitlines()[0] in out.stdout  # the table is printed too
+    table = (tmp_path / f"{result_name}.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("|"))
+    assert table.count("\n|") >= 2 or table.startswith("|")
+    assert header in out.stdout  # the table is printed too
+    if name == "drift-speed":
+        assert "reference (FP32)" in table and not (tmp_path / "drift_speed").exists()
+        assert result["timing"]["reference_s"] > 0
+    if name.startswith("drift") and name != "drift-speed":
+        assert (tmp_path / result_name / "results.json").exists()
 
 
 def test_readme_benchmark_section_is_generated_from_committed_results() -> None:

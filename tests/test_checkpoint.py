@@ -174,6 +174,16 @@ def test_fp8_checkpoint_is_dequantized_once_at_load(tiny_checkpoint: Path, tmp_p
                                          r"context_proj.weight as BF16"):
         load_drafter_state_dict(bf16_dir)
 
+    # A per-tensor scale where the recipe stores one per output channel: named, with both shapes.
+    per_tensor = tmp_path / "fp8_per_tensor_scale"
+    stored_tensors = dict(stored())
+    stored_tensors["context_proj.weight_scale"] = stored_tensors["context_proj.weight_scale"].amax().reshape(1)
+    save_drafter(per_tensor, config_json, stored_tensors.items())
+    rows = config.hidden_size
+    with pytest.raises(ValueError, match=rf"tensor 'context_proj.weight_scale' has shape \(1,\), expected shape "
+                                         rf"\({rows}, 1\)"):
+        load_drafter_state_dict(per_tensor)
+
 
 # ----- every broken checkpoint, with its message -----
 

@@ -11,7 +11,7 @@ import torch
 from compressed_tensors.compressors.mx_utils import decompress_mx_scale
 
 from vllm_dspark import formats
-from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules
+from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules, fused_module_groups
 from vllm_dspark.make_random import random_tensor
 from vllm_dspark.presets import preset_config
 
@@ -69,6 +69,19 @@ def test_row_chunking_matches_a_single_pass(monkeypatch: pytest.MonkeyPatch) -> 
     assert all(torch.equal(whole[k].view(torch.uint8), chunked[k].view(torch.uint8)) for k in whole if k != "weight_global_scale")
 
 
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_fake_quantize_equals_the_packed_round_trip_in_bf16(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(formats, "_CHUNK_ELEMENTS", 5 * 512)  # several chunks, a ragged last one
+    weight = _weight()
+    shared = formats.nvfp4_global_scale([weight, 3 * weight]) if fmt == "nvfp4" else None
+    packed = formats.quantize_weight(weight, fmt, global_scale=shared)
+    round_trip = formats.dequantize_weight(packed, fmt, tuple(weight.shape)).to(torch.bfloat16)
+    fake = formats.fake_quantize_weight(weight, fmt, global_scale=shared)
+    assert fake.dtype == torch.float32 and fake.shape == weight.shape
+    assert torch.equal(fake.to(torch.bfloat16), round_trip)
+    assert not torch.equal(fake.to(torch.bfloat16), weight)  # it did quantize
+
+
 def test_nvfp4_fused_shards_share_the_largest_magnitude_global_scale() -> None:
     small, large = _weight((32, 64)), 4 * _weight((32, 64))
     shared = formats.nvfp4_global_scale([small, large])
@@ -82,7 +95,7 @@ def test_nvfp4_fused_shards_share_the_largest_magnitude_global_scale() -> None:
 
 def test_fused_module_groups_span_layers_for_q_a_and_kv_a() -> None:
     names = [s.name for s in checkpoint_modules(preset_config("k3"))]
-    groups = formats.fused_module_groups(names)
+    groups = fused_module_groups(names)
     assert groups["layers.3.mlp.gate_up_proj"] == ["layers.3.mlp.gate_proj", "layers.3.mlp.up_proj"]
     # context_kv_proj stacks every layer's kv_a_proj_with_mqa: one group over all 5 layers.
     assert len(groups["self_attn.fused_qkv_a_proj"]) == 10

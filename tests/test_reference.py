@@ -228,6 +228,7 @@ def test_linear_upcasts_large_weights_in_slabs(monkeypatch) -> None:
     bias = torch.randn(100, generator=g)
     whole = reference.linear(x, w, bias)
     monkeypatch.setattr(reference, "_UPCAST_CHUNK_ELEMENTS", 64 * 7)
+    monkeypatch.setattr(reference, "_MIN_SLAB_ROWS", 1)  # 15 slabs of 7 rows (the last one shorter)
     torch.testing.assert_close(reference.linear(x, w, bias), whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(whole, x @ w.float().T + bias, rtol=1e-5, atol=1e-5)
 

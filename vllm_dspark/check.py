@@ -32,7 +32,7 @@ from safetensors import safe_open
 
 from vllm_dspark import formats
 from vllm_dspark.checkpoint import SAFETENSORS_DTYPES, checked_weight_map, load_config, read_config_json
-from vllm_dspark.layout import ModuleSpec, checkpoint_modules
+from vllm_dspark.layout import ModuleSpec, checkpoint_modules, fused_module_groups
 
 # Unquantized tensors may be stored in any of these (the published drafter is BF16).
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -158,7 +158,7 @@ def _tensor_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored:
 
 def _fused_problems(quantized: dict[str, str], module_names: list[str]) -> list[str]:
     problems = []
-    for fused, members in formats.fused_module_groups(module_names).items():
+    for fused, members in fused_module_groups(module_names).items():
         decisions: dict[str, list[str]] = {}
         for name in members:
             decisions.setdefault(quantized.get(name, "unquantized"), []).append(name)
@@ -198,7 +198,7 @@ def _scale_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored: 
                                 f"Fix: {_REQUANTIZE}")
             if suffix == "weight_global_scale" and scale.numel() == 1:
                 global_scales[spec.name] = float(scale)
-    for fused, members in formats.fused_module_groups(global_scales).items():
+    for fused, members in fused_module_groups(global_scales).items():
         values = {global_scales[m] for m in members}
         if len(values) > 1:
             listed = ", ".join(f"{m}={global_scales[m]:.6g}" for m in members)

@@ -57,16 +57,6 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the HF default, "5GB"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _MAX_LISTED_PROBLEMS = 12
 
-# Tensors each quantized format stores for a linear's weight, beyond which the dequantizer checks
-# the scale shapes. The packed 4-bit formats hold two E2M1 codes per byte.
-_FORMAT_SUFFIXES: dict[str, tuple[str, ...]] = {
-    "fp8": ("weight", "weight_scale"),
-    "mxfp4": ("weight_packed", "weight_scale"),
-    "nvfp4": ("weight_packed", "weight_scale", "weight_global_scale"),
-}
-
-_QUANTIZED_SUFFIXES = {suffix for suffixes in _FORMAT_SUFFIXES.values() for suffix in suffixes} - {"weight"}
-
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -128,31 +118,25 @@ def _describe(config: K3DSparkConfig) -> str:
 # ----- expected tensors -----
 
 
-def expected_tensor_shapes(
-    config: K3DSparkConfig, quantized: Mapping[str, str] | None = None
-) -> dict[str, tuple[int, ...] | None]:
+def expected_tensor_shapes(config: K3DSparkConfig, quantized: Mapping[str, str] | None = None) -> dict[str, tuple[int, ...]]:
     """``{key: shape}`` a checkpoint for ``config`` must hold; ``quantized`` maps module -> format.
 
-    A quantized module holds its format's tensors instead of ``weight``; the shapes of scale tensors
-    depend on the quantization strategy and are ``None`` here (the dequantizer checks them).
+    A quantized module holds its format's tensors (:func:`formats.quantized_tensor_specs`: packed
+    codes and scales) instead of ``weight``.
     """
+    from vllm_dspark import formats
+
     quantized = quantized or {}
-    shapes: dict[str, tuple[int, ...] | None] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for spec in checkpoint_modules(config):
         fmt = quantized.get(spec.name)
         if fmt is None:
             shapes[f"{spec.name}.weight"] = spec.shape
-        elif fmt not in _FORMAT_SUFFIXES:
-            raise ValueError(f"{spec.name}: quantization format {fmt!r} is not one of {', '.join(_FORMAT_SUFFIXES)}.")
+        elif fmt not in formats.FORMATS:
+            raise ValueError(f"{spec.name}: quantization format {fmt!r} is not one of {', '.join(formats.FORMATS)}.")
         else:
-            out_features, in_features = spec.shape
-            for suffix in _FORMAT_SUFFIXES[fmt]:
-                shape = None
-                if suffix == "weight":
-                    shape = spec.shape
-                elif suffix == "weight_packed":
-                    shape = (out_features, in_features // 2)
-                shapes[f"{spec.name}.{suffix}"] = shape
+            for suffix, tensor in formats.quantized_tensor_specs(fmt, spec.shape).items():
+                shapes[f"{spec.name}.{suffix}"] = tensor.shape
         if spec.bias:
             shapes[f"{spec.name}.bias"] = (spec.shape[0],)
     return shapes
@@ -160,7 +144,7 @@ def expected_tensor_shapes(
 
 def validate_tensor_shapes(
     found: Mapping[str, tuple[int, ...]],
-    expected: Mapping[str, tuple[int, ...] | None],
+    expected: Mapping[str, tuple[int, ...]],
     *,
     source: str,
     config: K3DSparkConfig,
@@ -171,9 +155,8 @@ def validate_tensor_shapes(
     for key, shape in expected.items():
         if key not in found:
             kinds.add("missing")
-            detail = f"expected shape {shape}" if shape is not None else "shape set by its quantization format"
-            problems.append(f"missing tensor {key!r} ({detail})")
-        elif shape is not None and tuple(found[key]) != tuple(shape):
+            problems.append(f"missing tensor {key!r} (expected shape {shape})")
+        elif tuple(found[key]) != tuple(shape):
             kinds.add("shape")
             problems.append(f"tensor {key!r} has shape {tuple(found[key])}, expected shape {shape}")
     for key in found:
@@ -186,7 +169,8 @@ def validate_tensor_shapes(
     listed = problems[:_MAX_LISTED_PROBLEMS]
     if len(problems) > len(listed):
         listed.append(f"... and {len(problems) - len(listed)} more")
-    quantized_extra = [k for k in found if k not in expected and k.rsplit(".", 1)[-1] in _QUANTIZED_SUFFIXES]
+    # compressed-tensors names a quantized weight's tensors weight_packed, weight_scale, weight_global_scale, ...
+    quantized_extra = [k for k in found if k not in expected and k.rsplit(".", 1)[-1].startswith("weight_")]
     if quantized_extra:
         fix = (f"the shards hold quantized tensors ({quantized_extra[0]}, ...) that config.json's "
                "quantization_config does not describe: use the config.json written with these shards")
@@ -313,6 +297,8 @@ def load_drafter_state_dict(
     config = load_config(model_dir)
     raw = read_config_json(model_dir)
     quantized = _quantized_modules(raw, config, model_dir)
+    if quantized:
+        from vllm_dspark import formats
     weight_map = checked_weight_map(model_dir)
     header = _header(weight_map)
     _check_quantized_storage(quantized, header, model_dir)
@@ -332,7 +318,7 @@ def load_drafter_state_dict(
                 weight = read(f"{spec.name}.weight")
                 state_dict[f"{spec.name}.weight"] = weight if dtype is None else weight.to(dtype)
             else:
-                parts = {suffix: read(f"{spec.name}.{suffix}") for suffix in _FORMAT_SUFFIXES[fmt]}
+                parts = {suffix: read(f"{spec.name}.{suffix}") for suffix in formats.quantized_tensor_specs(fmt, spec.shape)}
                 weight = _dequantize(spec.name, parts, fmt, spec.shape)
                 state_dict[f"{spec.name}.weight"] = weight.to(dtype or torch.float32)
             if spec.bias:
@@ -345,9 +331,12 @@ def _check_quantized_storage(
     quantized: Mapping[str, str], header: Mapping[str, tuple[tuple[int, ...], str]], model_dir: Path
 ) -> None:
     """Refuse shards that store a module differently from how config.json says it is quantized."""
+    from vllm_dspark import formats
+
     for module, fmt in quantized.items():
-        main = f"{module}.{_FORMAT_SUFFIXES[fmt][0]}"
-        wanted = "F8_E4M3" if fmt == "fp8" else "U8"
+        # The codes tensor comes first: fp8's ``weight``, the 4-bit formats' ``weight_packed``.
+        suffix, codes = next(iter(formats.quantized_tensor_specs(fmt, (32, 32)).items()))
+        main, wanted = f"{module}.{suffix}", SAFETENSORS_DTYPES[codes.dtype]
         if main in header:
             if header[main][1] == wanted:
                 continue
@@ -358,7 +347,7 @@ def _check_quantized_storage(
             continue  # absent altogether: reported with the other missing tensors
         raise ValueError(f"config.json and the shards of {model_dir} disagree: the quantization_config "
                          f"quantizes {module} as {fmt}, but the shards store {stored_key} as {header[stored_key][1]} "
-                         f"({fmt} stores {_FORMAT_SUFFIXES[fmt][0]} as {wanted}). Fix: use the config.json "
+                         f"({fmt} stores {suffix} as {wanted}). Fix: use the config.json "
                          "written with these shards.")
 
 

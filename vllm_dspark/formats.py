@@ -36,17 +36,16 @@ from compressed_tensors.quantization import (
     QuantizationStrategy,
     preset_name_to_scheme,
 )
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams, compute_dynamic_scales_and_zp, generate_gparam
 from compressed_tensors.utils.match import match_name
 
 from vllm_dspark.layout import (
-    FUSED_GROUPS,
     GLOBAL_KINDS,
     LAYER_KINDS,
     QUANTIZABLE_KINDS,
     checkpoint_modules,
     kind_regex,
-    module_kind,
     validate_fused_decision,
 )
 
@@ -74,9 +73,6 @@ ACCEPTED_FORMAT_STRINGS = {
 # FP4 packer's [rows, K, 8] float scratch tensor stays near 32 MiB.
 _CHUNK_ELEMENTS = 1 << 20
 
-# vLLM's K3 drafter builds ``context_kv_proj`` by stacking every layer's kv_a_proj_with_mqa, so
-# this fused group spans all layers: one NVFP4 global scale for every layer's q_a and kv_a.
-_CROSS_LAYER_FUSED = "self_attn.fused_qkv_a_proj"
 
 _GLOB_CHARS = frozenset("*?[")
 
@@ -171,6 +167,18 @@ def _scales(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> tor
     return scale
 
 
+def _global_scale(weight: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """Validate ``weight`` for ``fmt`` and return the global scale it quantizes with (nvfp4 only)."""
+    _check_weight(weight, fmt)
+    if global_scale is not None and fmt != "nvfp4":
+        raise ValueError(f"only nvfp4 has a global scale, not {fmt}")
+    if fmt == "nvfp4" and global_scale is None:
+        global_scale = nvfp4_global_scale([weight])
+    if global_scale is not None:
+        global_scale = global_scale.to(device=weight.device, dtype=torch.float32).reshape(1)
+    return global_scale
+
+
 @torch.no_grad()
 def quantize_weight(
     weight: torch.Tensor, fmt: str, *, global_scale: torch.Tensor | None = None
@@ -180,13 +188,7 @@ def quantize_weight(
     Runs on ``weight``'s device. ``global_scale`` (nvfp4 only) is the fused group's shared scale
     from :func:`nvfp4_global_scale`; by default the weight's own.
     """
-    _check_weight(weight, fmt)
-    if global_scale is not None and fmt != "nvfp4":
-        raise ValueError(f"only nvfp4 has a global scale, not {fmt}")
-    if fmt == "nvfp4" and global_scale is None:
-        global_scale = nvfp4_global_scale([weight])
-    if global_scale is not None:
-        global_scale = global_scale.to(device=weight.device, dtype=torch.float32).reshape(1)
+    global_scale = _global_scale(weight, fmt, global_scale)
     scheme, compressor = _scheme(fmt), _compressor(fmt)
     pieces: list[dict[str, torch.Tensor]] = []
     # compressed-tensors' FP4 rounding is a torch.compile'd function: compiling it costs seconds per
@@ -201,6 +203,24 @@ def quantize_weight(
     out = {suffix: torch.cat([p[suffix] for p in pieces]) for suffix in pieces[0] if suffix != "weight_global_scale"}
     if global_scale is not None:
         out["weight_global_scale"] = global_scale
+    return out
+
+
+@torch.no_grad()
+def fake_quantize_weight(weight: torch.Tensor, fmt: str, *, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [N, K]: ``weight`` as ``fmt`` represents it, without building the packed tensors.
+
+    compressed-tensors' ``fake_quantize`` with the scales :func:`quantize_weight` stores. In BF16 it
+    equals ``dequantize_weight(quantize_weight(weight))`` bit for bit (tested); it skips FP4 packing
+    and unpacking, which are ~80 % of that round trip's time.
+    """
+    global_scale = _global_scale(weight, fmt, global_scale)
+    args = _scheme(fmt).weights
+    out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    with torch.compiler.set_stance("force_eager"):
+        for rows in _row_chunks(*weight.shape):
+            x = weight[rows].float()
+            out[rows] = fake_quantize(x, _scales(x, fmt, global_scale), None, args, global_scale=global_scale)
     return out
 
 
@@ -229,24 +249,6 @@ def weight_snr_db(weight: torch.Tensor, tensors: dict[str, torch.Tensor], fmt: s
     if signal == 0.0:
         return -math.inf
     return 10.0 * math.log10(signal / noise)
-
-
-def fused_module_groups(module_names: Iterable[str]) -> dict[str, list[str]]:
-    """``{runtime fused layer: its checkpoint modules}`` for the modules vLLM fuses into one layer.
-
-    Each group takes one quantization decision and, for NVFP4, one global scale. gate_proj and
-    up_proj pair up per layer (``layers.3.mlp.gate_up_proj``); q_a_proj and kv_a_proj_with_mqa form
-    one group across all layers (``self_attn.fused_qkv_a_proj``), because the K3 drafter's
-    context_kv_proj stacks every layer's kv_a_proj_with_mqa into one more fused layer.
-    """
-    groups: dict[str, list[str]] = {}
-    for name in module_names:
-        kind = module_kind(name)
-        for fused, members in FUSED_GROUPS.items():
-            if kind in members:
-                key = fused if fused == _CROSS_LAYER_FUSED else name[: len(name) - len(kind)] + fused
-                groups.setdefault(key, []).append(name)
-    return {fused: names for fused, names in groups.items() if len(names) > 1}
 
 
 # --- quantization_config --------------------------------------------------------------------

@@ -13,6 +13,7 @@ weights, the confidence head's weight and bias, and the shared ``embed_tokens``)
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -69,6 +70,9 @@ FUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "self_attn.fused_qkv_a_proj": ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
 }
+# vLLM's K3 drafter builds ``context_kv_proj`` by stacking every layer's kv_a_proj_with_mqa, so
+# this fused group spans all layers: one NVFP4 global scale for every layer's q_a and kv_a.
+_CROSS_LAYER_FUSED = "self_attn.fused_qkv_a_proj"
 
 # The modules quantized in the published FP8 build (its --include_layers).
 FP8_RECIPE: tuple[str, ...] = (
@@ -189,3 +193,21 @@ def validate_fused_decision(quantized_kinds: set[str]) -> None:
                 f"{', '.join(chosen)} is quantized but {', '.join(missing)} is not. "
                 f"Include both or neither."
             )
+
+
+def fused_module_groups(module_names: Iterable[str]) -> dict[str, list[str]]:
+    """``{runtime fused layer: its checkpoint modules}`` for the modules vLLM fuses into one layer.
+
+    Each group takes one quantization decision and, for NVFP4, one global scale. gate_proj and
+    up_proj pair up per layer (``layers.3.mlp.gate_up_proj``); q_a_proj and kv_a_proj_with_mqa form
+    one group across all layers (``self_attn.fused_qkv_a_proj``), because the K3 drafter's
+    context_kv_proj stacks every layer's kv_a_proj_with_mqa into one more fused layer.
+    """
+    groups: dict[str, list[str]] = {}
+    for name in module_names:
+        kind = module_kind(name)
+        for fused, members in FUSED_GROUPS.items():
+            if kind in members:
+                key = fused if fused == _CROSS_LAYER_FUSED else name[: len(name) - len(kind)] + fused
+                groups.setdefault(key, []).append(name)
+    return {fused: names for fused, names in groups.items() if len(names) > 1}

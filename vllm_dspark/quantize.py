@@ -54,7 +54,7 @@ from vllm_dspark.checkpoint import (
     read_config_json,
     validate_tensor_shapes,
 )
-from vllm_dspark.layout import FP8_RECIPE, QUANTIZABLE_KINDS, ModuleSpec, checkpoint_modules
+from vllm_dspark.layout import FP8_RECIPE, QUANTIZABLE_KINDS, ModuleSpec, checkpoint_modules, fused_module_groups
 
 REPORT_NAME = "quantization_report"
 TARGET_DIR = "target"
@@ -230,7 +230,7 @@ def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
     """NVFP4: one global scale per fused group (gate/up per layer, q_a/kv_a across layers)."""
     quantized = {item.module.name: item for item in items if item.fmt == "nvfp4"}
     scales = {}
-    for members in formats.fused_module_groups(quantized).values():
+    for members in fused_module_groups(quantized).values():
         tensors = (_read(quantized[m].stored, quantized[m].key).to(device) for m in members)
         scales.update(dict.fromkeys(members, formats.nvfp4_global_scale(tensors)))
     return scales

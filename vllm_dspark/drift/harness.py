@@ -6,9 +6,11 @@ Cost model (what makes the ``k3`` preset fit 24 GiB and two cores):
 - the backbone is one parallel pass per block; teacher-forced and free-running scoring differ only
   in the Markov bias, so each variant runs its backbone once per block and rolls the Markov head
   twice over the same base logits;
-- the reference's per-block results are cached as post-final-norm hidden states, greedy tokens and
-  confidences (``N x H`` floats per block, not ``N x V`` logits); its logits are recomputed from
-  them next to each variant through the reference's own FP32 heads;
+- the reference runs once per block. Its free-running rollout conditions each position on its own
+  previous token, so its logits *are* the teacher-forced logits every variant is compared with:
+  they are kept (``N x V`` fp32 per block, ~4.6 MB at the real vocabulary) in a memory-mapped file
+  per cell under a temporary directory (``$TMPDIR``), not in RAM and not recomputed per variant
+  (recomputing them through the FP32 lm_head cost half of a BF16 variant's time);
 - the reference stays loaded with its checkpoint's BF16 storage (upcast per use, exact) beside one
   variant at a time, and the target's embedding / lm_head tensors are shared by all of them;
 - blocks are batched; ``gauss`` / ``heavy`` inputs are regenerated per block from the seed
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import platform
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,7 +43,7 @@ from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.drift import corpus as corpus_mod
 from vllm_dspark.drift import metrics
 from vllm_dspark.drift.regimes import HEAVY_SIGMA, REGIMES, boot_aux, synthetic_aux
-from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules, tensor_shapes
+from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules, fused_module_groups, tensor_shapes
 from vllm_dspark.reference import ReferenceDrafter
 from vllm_dspark.sampling import markov_rollout
 from vllm_dspark.version import __version__
@@ -173,14 +176,13 @@ def quantize_on_the_fly(state_dict: dict[str, torch.Tensor], config: K3DSparkCon
     modules = [s.name for s in checkpoint_modules(config) if s.kind in kinds]
     global_scales: dict[str, torch.Tensor] = {}
     if fmt == "nvfp4":
-        for members in formats.fused_module_groups(modules).values():
+        for members in fused_module_groups(modules).values():
             scale = formats.nvfp4_global_scale(state_dict[f"{m}.weight"] for m in members)
             global_scales.update(dict.fromkeys(members, scale))
     for name in modules:
         key = f"{name}.weight"
         weight = state_dict[key]
-        tensors = formats.quantize_weight(weight, fmt, global_scale=global_scales.get(name))
-        state_dict[key] = formats.dequantize_weight(tensors, fmt, tuple(weight.shape)).to(weight.dtype)
+        state_dict[key] = formats.fake_quantize_weight(weight, fmt, global_scale=global_scales.get(name)).to(weight.dtype)
     return modules
 
 
@@ -233,21 +235,26 @@ def confidence(drafter: ReferenceDrafter, hidden: torch.Tensor, markov_embeds: t
 class ReferenceCell:
     """The reference's results on one cell's blocks: all the harness keeps of them."""
 
-    hidden: list[torch.Tensor] = field(default_factory=list)  # per batch [B, N, H] fp32
+    logits: np.ndarray  # [blocks, N, V] fp32 memory map: the rollout's logits, Markov bias included
     tokens: list[torch.Tensor] = field(default_factory=list)  # per batch [B, N]
     conf: list[torch.Tensor] = field(default_factory=list)  # per batch [B, N]
 
+    def batch_logits(self, batch: Batch) -> torch.Tensor:
+        return torch.from_numpy(np.array(self.logits[batch.ids[0] : batch.ids[-1] + 1]))
+
 
 @torch.inference_mode()
-def reference_cell(reference: ReferenceDrafter, cell_batches: Iterator[Batch], bar: tqdm) -> ReferenceCell:
-    out = ReferenceCell()
+def reference_cell(reference: ReferenceDrafter, cell_batches: Iterator[Batch], spill: Path, shape: tuple[int, ...],
+                   bar: tqdm) -> ReferenceCell:
+    out = ReferenceCell(logits=np.lib.format.open_memmap(spill, mode="w+", dtype=np.float32, shape=shape))
     for batch in cell_batches:
         hidden, logits = backbone(reference, batch, absorbed=False)
         rollout = markov_rollout(logits, batch.anchors, reference.markov_embed, reference.markov_bias)
-        out.hidden.append(hidden.float())
+        out.logits[batch.ids[0] : batch.ids[-1] + 1] = rollout.logits.cpu().numpy()
         out.tokens.append(rollout.tokens)
         out.conf.append(confidence(reference, hidden, rollout.markov_embeds))
         bar.update(len(batch.ids))
+    out.logits.flush()
     return out
 
 
@@ -273,9 +280,7 @@ def variant_cell(variant: ReferenceDrafter, reference: ReferenceDrafter, ref: Re
                                     forced_prev=forced)
         var_conf = confidence(variant, hidden, free.markov_embeds)
         del logits
-        ref_logits = markov_rollout(reference.base_logits(ref.hidden[i]), batch.anchors, reference.markov_embed,
-                                    reference.markov_bias, forced_prev=forced).logits
-        div = _divergence(ref_logits, forced_var.logits)
+        div = _divergence(ref.batch_logits(batch).to(forced_var.logits.device), forced_var.logits)
         parts.append(metrics.BlockRecords(
             tf_agree=(forced_var.tokens == ref_tokens).cpu().numpy(),
             rollout_agree=(free.tokens == ref_tokens).cpu().numpy(),
@@ -337,35 +342,39 @@ def run(spec: EvalSpec) -> dict[str, Any]:
 
     cells = [(r, p) for r in spec.regimes for p in spec.all_positions()]
     total = spec.blocks * len(cells)
-    t0 = time.perf_counter()
-    ref_cells: dict[tuple[str, int], ReferenceCell] = {}
-    with tqdm(total=total, desc="reference fp32", unit="block", disable=not spec.progress) as bar:
-        for regime, position in cells:
-            cell_batches = batches(spec, config, blocks, regime, position)
-            ref_cells[regime, position] = reference_cell(reference, cell_batches, bar)
-    timing["reference_s"] = time.perf_counter() - t0
-
-    indices = metrics.bootstrap_indices(spec.blocks, spec.resamples, spec.seed)
     results_cells: list[dict[str, Any]] = []
     sources: dict[str, str] = {}
-    for name in spec.variants:
-        label = variant_label(name)
+    with tempfile.TemporaryDirectory(prefix="vllm-dspark-eval-") as spill_dir:
         t0 = time.perf_counter()
-        if name == SELF_CHECK:
-            variant, sources[label] = reference, "the reference itself (FP32 weights, FP32 compute)"
-        else:
-            variant, sources[label] = load_variant(name, spec, config, heads)
-        timing[f"load_{label}_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with tqdm(total=total, desc=label, unit="block", disable=not spec.progress) as bar:
+        ref_cells: dict[tuple[str, int], ReferenceCell] = {}
+        with tqdm(total=total, desc="reference fp32", unit="block", disable=not spec.progress) as bar:
             for regime, position in cells:
-                records = variant_cell(variant, reference, ref_cells[regime, position],
-                                       batches(spec, config, blocks, regime, position), bar)
-                results_cells.append({"variant": label, "regime": regime, "position": position,
-                                      "metrics": metrics.summarize(records, indices)})
-        timing[f"eval_{label}_s"] = time.perf_counter() - t0
-        del variant
-        gc.collect()
+                cell_batches = batches(spec, config, blocks, regime, position)
+                spill = Path(spill_dir) / f"reference-{regime}-{position}.npy"
+                shape = (spec.blocks, config.block_size, config.vocab_size)
+                ref_cells[regime, position] = reference_cell(reference, cell_batches, spill, shape, bar)
+        timing["reference_s"] = time.perf_counter() - t0
+
+        indices = metrics.bootstrap_indices(spec.blocks, spec.resamples, spec.seed)
+        for name in spec.variants:
+            label = variant_label(name)
+            t0 = time.perf_counter()
+            if name == SELF_CHECK:
+                variant, sources[label] = reference, "the reference itself (FP32 weights, FP32 compute)"
+            else:
+                variant, sources[label] = load_variant(name, spec, config, heads)
+            timing[f"load_{label}_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            with tqdm(total=total, desc=label, unit="block", disable=not spec.progress) as bar:
+                for regime, position in cells:
+                    records = variant_cell(variant, reference, ref_cells[regime, position],
+                                           batches(spec, config, blocks, regime, position), bar)
+                    results_cells.append({"variant": label, "regime": regime, "position": position,
+                                          "metrics": metrics.summarize(records, indices)})
+            timing[f"eval_{label}_s"] = time.perf_counter() - t0
+            del variant
+            gc.collect()
+        ref_cells.clear()  # unmap the spill files before their directory goes
 
     evaluated = total * len(spec.variants)
     timing["blocks_per_s"] = evaluated / max(sum(v for k, v in timing.items() if k.startswith("eval_")), 1e-9)

@@ -70,35 +70,16 @@ def pick_layers(num_states: int, wanted: int) -> list[int]:
 def boot_aux(drafter, token_ids: torch.Tensor, num_target_layers: int) -> torch.Tensor:
     """BF16 ``[B, T, num_target_layers * H]``: the drafter's own layers run causally over ``token_ids [B, T]``.
 
-    Each layer's output (the residual stream, as the target hands over ``hidden + residual``) at
-    every token, with each token attending to itself and the tokens before it. Runs in BF16, as
-    the target computes the states it hands over; precision is irrelevant here because every
-    variant receives the same states.
-
-    Causality through the reference's non-causal layer: each of the ``T`` tokens becomes its own
-    one-token block whose context is the layer's latents of all ``T`` tokens with the later ones
-    masked out, so a layer is one batched call. The absorbed MLA form keeps that affordable (it
-    never up-projects the ``T x T`` context copies).
+    Each picked state is a layer's output (the residual stream, as the target hands over
+    ``hidden + residual``) at every token, from :meth:`ReferenceDrafter.causal_states`. Runs in BF16, as
+    the target computes the states it hands over; precision is irrelevant here because every variant
+    receives the same states.
     """
-    batch, length = token_ids.shape
-    dtype = torch.bfloat16
     if drafter.config.target_hidden_size != drafter.config.hidden_size:
         raise ValueError(
             f"the boot regime feeds the drafter's own hidden states (width {drafter.config.hidden_size}) as aux "
             f"states of width target_hidden_size {drafter.config.target_hidden_size}; they must be equal"
         )
-    positions = torch.arange(length, device=token_ids.device).expand(batch, length)
-    # Query t sees context keys j < t and its own key, which the layer appends after the context.
-    keys = torch.ones(length, length + 1, dtype=torch.bool, device=token_ids.device).tril(-1)
-    keys[:, -1] = True  # the block's own key
-    key_mask = keys.repeat(batch, 1)  # [B*T, T + 1]
-    x = drafter.embed_tokens(token_ids, dtype)
-    states = [x]
-    for layer in drafter.layers:
-        latents = layer.self_attn.latent(layer.input_layernorm(x), positions)  # [B, T, latent]
-        context = latents.repeat_interleave(length, dim=0)  # [B*T, T, latent]
-        x = layer(x.reshape(batch * length, 1, -1), positions.reshape(-1, 1), context, key_mask, True)
-        x = x.reshape(batch, length, -1)
-        states.append(x)
+    states = drafter.causal_states(token_ids, torch.bfloat16)
     picked = [states[i] for i in pick_layers(len(states), num_target_layers)]
     return torch.cat(picked, dim=-1).to(torch.bfloat16)

@@ -30,6 +30,14 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+PERCENT_KEYS = tuple(k for k, _, kind in COLUMNS if kind == "pct")
+
+
+def worst_half_width_pp(results: dict[str, Any], keys: Sequence[str] = PERCENT_KEYS) -> float:
+    """The widest 95 % CI half-width of the ``keys`` metrics over every cell, in percentage points."""
+    return max(100 * (c["metrics"][k]["hi"] - c["metrics"][k]["lo"]) / 2 for c in results["cells"] for k in keys)
+
+
 def fmt(est: dict[str, float], kind: str) -> str:
     """``value ± half-width`` of a ``{"value", "lo", "hi"}`` estimate, in the unit ``kind`` names."""
     v, half = est["value"], (est["hi"] - est["lo"]) / 2

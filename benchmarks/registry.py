@@ -1,0 +1,49 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every benchmark by name: its module, the arguments of the run whose results are committed, and
+the README heading of its table. ``python -m benchmarks`` and the README generator read this."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    module: str
+    help: str
+    result: str  # benchmarks/results/<result>.{json,md}
+    heading: str  # the README's heading for the result
+    args: tuple[str, ...] = ()  # what makes the committed run; arguments given on the command line follow
+    in_all: bool = True
+
+
+DRIFT_POSITIONS = ("--name", "drift_positions", "--regimes", "heavy", "--variants", "bf16", "fp8",
+                   "--positions", "4k", "32k", "128k", "1000k", "--blocks", "384")
+
+BENCHMARKS: dict[str, Benchmark] = {
+    "reference": Benchmark(
+        "benchmarks.reference_latency", "reference drafter: one 7-token block, FP32 and BF16, GB/s vs memcpy",
+        "reference_latency", "Reference drafter, one 7-token block at real shapes (`k3` preset)"),
+    "fp8-linear": Benchmark(
+        "benchmarks.fp8_linear", "FP8 weight-only linear on CPU: plugin kernel vs dequantised BF16 vs BF16",
+        "fp8_linear", "FP8 weight-only linear on CPU at the real layer shapes"),
+    "quantizer": Benchmark(
+        "benchmarks.quantizer", "quantizer throughput and peak RSS vs a plain safetensors copy",
+        "quantizer", "Quantizer throughput and peak memory (`k3` preset)"),
+    "drift-speed": Benchmark(
+        "benchmarks.drift", "drift-harness blocks per second at real shapes, per pass (64 blocks per regime)",
+        "drift_speed", "Drift harness throughput at real shapes (`k3` preset)",
+        args=("--name", "drift_speed", "--blocks", "64", "--speed")),
+    "register": Benchmark(
+        "benchmarks.register_overhead", "plugin import + register() cost per vLLM process",
+        "register_overhead", "Plugin cost per vLLM process"),
+    "drift": Benchmark(
+        "benchmarks.drift", "drift report at real shapes: table with CIs under 2 pp, plots (~55 min)",
+        "drift", "Drift of each format from the FP32 reference at real shapes (`k3` preset, random weights)",
+        in_all=False),
+    "drift-positions": Benchmark(
+        "benchmarks.drift", "drift through the YaRN range: anchors at 4k .. 1000k, heavy regime (~30 min)",
+        "drift_positions",
+        "Drift through the YaRN range: the block at far context positions (`k3`, random weights)",
+        args=DRIFT_POSITIONS, in_all=False),
+}
