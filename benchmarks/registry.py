@@ -18,7 +18,7 @@ class Benchmark:
 
 
 DRIFT_POSITIONS = ("--name", "drift_positions", "--regimes", "heavy", "--variants", "bf16", "fp8",
-                   "--positions", "4k", "32k", "128k", "1000k", "--blocks", "384")
+                   "--positions", "4k", "32k", "128k", "1000k", "--blocks", "128")
 
 BENCHMARKS: dict[str, Benchmark] = {
     "reference": Benchmark(
