@@ -4,7 +4,7 @@ to benchmarks/results/.
 
 ``python -m benchmarks all`` runs the speed suite, each benchmark at the size whose results are
 committed (about 15 minutes on two cores). The two drift reports are quality measurements that need
-hundreds of blocks for tight confidence intervals (about an hour and half an hour); they run by name.
+hundreds of blocks for tight confidence intervals (about 55 and 40 minutes); they run by name.
 """
 
 from __future__ import annotations

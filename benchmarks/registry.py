@@ -18,7 +18,7 @@ class Benchmark:
 
 
 DRIFT_POSITIONS = ("--name", "drift_positions", "--regimes", "heavy", "--variants", "bf16", "fp8",
-                   "--positions", "4k", "32k", "128k", "1000k", "--blocks", "128")
+                   "--positions", "4k", "32k", "128k", "1000k", "--blocks", "512")
 
 BENCHMARKS: dict[str, Benchmark] = {
     "reference": Benchmark(
@@ -42,7 +42,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         "drift", "Drift of each format from the FP32 reference at real shapes (`k3` preset, random weights)",
         in_all=False),
     "drift-positions": Benchmark(
-        "benchmarks.drift", "drift through the YaRN range: anchors at 4k .. 1000k, heavy regime (~30 min)",
+        "benchmarks.drift", "drift through the YaRN range: anchors at 4k .. 1000k, heavy regime (~40 min)",
         "drift_positions",
         "Drift through the YaRN range: the block at far context positions (`k3`, random weights)",
         args=DRIFT_POSITIONS, in_all=False),

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vllm-dspark eval",
         description="Measure how far BF16 / quantized builds of a K3 DSpark drafter drift from its FP32 "
         "reference on identical inputs, with 95 % bootstrap CIs. Writes results.json, results.md and "
-        "PNG plots into --out.",
+        "PNG plots into --out. The reference's logits are kept on disk under $TMPDIR while it runs "
+        "(4.6 MB per block and regime at the real vocabulary).",
         epilog=drift_pkg.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
