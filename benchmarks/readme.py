@@ -69,7 +69,7 @@ def _section(heading: str, command: str, results_dir: Path, result: str) -> list
     table = results_dir / f"{result}.md"
     if not table.exists():
         return []
-    env = json.loads((results_dir / f"{result}.json").read_text()).get("environment", {})
+    env = (_load(results_dir, result) or {}).get("environment", {})
     where = (f"{env.get('date', '?')}, {env.get('processor') or env.get('machine', '?')}, "
              f"torch {env.get('torch', '?')}, {env.get('threads', '?')} threads")
     return [f"#### {heading}", "", f"`{command}` — measured {where}.", "", table.read_text().strip(), ""]

@@ -20,7 +20,7 @@ import json
 import re
 import shutil
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -118,7 +118,9 @@ def _describe(config: K3DSparkConfig) -> str:
 # ----- expected tensors -----
 
 
-def expected_tensor_shapes(config: K3DSparkConfig, quantized: Mapping[str, str] | None = None) -> dict[str, tuple[int, ...]]:
+def expected_tensor_shapes(
+    config: K3DSparkConfig, quantized: Mapping[str, str] | None = None
+) -> dict[str, tuple[int, ...]]:
     """``{key: shape}`` a checkpoint for ``config`` must hold; ``quantized`` maps module -> format.
 
     A quantized module holds its format's tensors (:func:`formats.quantized_tensor_specs`: packed
@@ -297,11 +299,9 @@ def load_drafter_state_dict(
     config = load_config(model_dir)
     raw = read_config_json(model_dir)
     quantized = _quantized_modules(raw, config, model_dir)
-    if quantized:
-        from vllm_dspark import formats
     weight_map = checked_weight_map(model_dir)
     header = _header(weight_map)
-    _check_quantized_storage(quantized, header, model_dir)
+    _check_quantized_storage(quantized, header, model_dir, config)
     validate_tensor_shapes({k: s for k, (s, _) in header.items()}, expected_tensor_shapes(config, quantized),
                            source=f"checkpoint {model_dir}", config=config)
 
@@ -318,8 +318,7 @@ def load_drafter_state_dict(
                 weight = read(f"{spec.name}.weight")
                 state_dict[f"{spec.name}.weight"] = weight if dtype is None else weight.to(dtype)
             else:
-                parts = {suffix: read(f"{spec.name}.{suffix}") for suffix in formats.quantized_tensor_specs(fmt, spec.shape)}
-                weight = _dequantize(spec.name, parts, fmt, spec.shape)
+                weight = _dequantize(spec.name, fmt, spec.shape, read)
                 state_dict[f"{spec.name}.weight"] = weight.to(dtype or torch.float32)
             if spec.bias:
                 bias = read(f"{spec.name}.bias")
@@ -328,14 +327,16 @@ def load_drafter_state_dict(
 
 
 def _check_quantized_storage(
-    quantized: Mapping[str, str], header: Mapping[str, tuple[tuple[int, ...], str]], model_dir: Path
+    quantized: Mapping[str, str], header: Mapping[str, tuple[tuple[int, ...], str]], model_dir: Path,
+    config: K3DSparkConfig,
 ) -> None:
     """Refuse shards that store a module differently from how config.json says it is quantized."""
     from vllm_dspark import formats
 
+    shapes = {spec.name: spec.shape for spec in checkpoint_modules(config)}
     for module, fmt in quantized.items():
         # The codes tensor comes first: fp8's ``weight``, the 4-bit formats' ``weight_packed``.
-        suffix, codes = next(iter(formats.quantized_tensor_specs(fmt, (32, 32)).items()))
+        suffix, codes = next(iter(formats.quantized_tensor_specs(fmt, shapes[module]).items()))
         main, wanted = f"{module}.{suffix}", SAFETENSORS_DTYPES[codes.dtype]
         if main in header:
             if header[main][1] == wanted:
@@ -351,9 +352,13 @@ def _check_quantized_storage(
                          "written with these shards.")
 
 
-def _dequantize(module: str, parts: dict[str, torch.Tensor], fmt: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _dequantize(
+    module: str, fmt: str, shape: tuple[int, ...], read: Callable[[str], torch.Tensor]
+) -> torch.Tensor:
+    """``module``'s weight, dequantized from the ``fmt`` tensors that ``read(key)`` returns."""
     from vllm_dspark import formats
 
+    parts = {suffix: read(f"{module}.{suffix}") for suffix in formats.quantized_tensor_specs(fmt, shape)}
     try:
         weight = formats.dequantize_weight(parts, fmt, tuple(shape))
     except (ValueError, RuntimeError) as e:
