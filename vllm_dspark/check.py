@@ -5,12 +5,10 @@ Reads only safetensors headers and the (small) scale tensors, so it takes second
 6.6 GiB drafter. It verifies:
 
 - config.json is a valid K3 DSpark config, and every shard is readable and agrees with the index;
-- the ``quantization_config`` (if any): its config groups are a weight-only format vLLM loads
-  (fp8 per-channel, mxfp4, nvfp4), no module is both targeted and ignored, no entry is a shell
-  glob (compressed-tensors never matches those), and modules vLLM fuses into one layer
-  (gate/up; q_a/kv_a across all layers, through context_kv_proj) share one decision;
-- every tensor's dtype and shape against what the config implies, with no tensor missing or
-  unexpected;
+- the quantization plan (:mod:`vllm_dspark.quant_plan`, the one every loader uses): the stored
+  tensors and the ``quantization_config`` agree, or a warning says which entries to rewrite;
+- every tensor's dtype and shape against that plan, with no tensor missing or unexpected (stray
+  ``lm_head`` / disabled ``confidence_head`` tensors, which the served model skips, are a warning);
 - scales are present and finite, and NVFP4 fused shards share one global scale.
 
 Each violation is one problem string that names the tensor or module and the fix.
@@ -21,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,14 +27,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from vllm_dspark import formats
+from vllm_dspark import formats, quant_plan
 from vllm_dspark.checkpoint import SAFETENSORS_DTYPES, checked_weight_map, load_config, read_config_json
 from vllm_dspark.layout import ModuleSpec, checkpoint_modules, fused_module_groups
 
 # Unquantized tensors may be stored in any of these (the published drafter is BF16).
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 _REQUANTIZE = "re-quantize the BF16 checkpoint with `vllm-dspark quantize`"
-_PER_LAYER_NAME = re.compile(r"(^|\.)layers\.\d+\.")
 
 
 def human_params(n: int) -> str:
@@ -94,7 +90,7 @@ class CheckReport:
 
     model_dir: str
     problems: list[str] = field(default_factory=list)
-    ignored_modules: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     quantized_modules: dict[str, str] = field(default_factory=dict)  # HF module name -> fmt
     config_groups: int = 0
     summary: list[str] = field(default_factory=list)
@@ -105,6 +101,7 @@ class CheckReport:
 
     def render(self) -> str:
         lines = [f"checked {self.model_dir}", *(f"  {line}" for line in self.summary)]
+        lines += [f"WARNING: {warning}" for warning in self.warnings]
         if self.ok:
             lines.append("OK: no problems found")
         else:
@@ -124,7 +121,8 @@ def _expected(spec: ModuleSpec, fmt: str | None) -> dict[str, formats.TensorSpec
     return expected
 
 
-def _tensor_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored: dict[str, StoredTensor]) -> list[str]:
+def _tensor_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored: dict[str, StoredTensor],
+                     stray: tuple[str, ...]) -> list[str]:
     problems = []
     expected_keys: set[str] = set()
     for spec in specs:
@@ -146,26 +144,13 @@ def _tensor_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored:
                 fix = _REQUANTIZE if fmt or got.dtype not in _FLOAT_DTYPES else "store it in BF16"
                 problems.append(f"{key}: dtype {got.dtype}, but {what} stores it as {' or '.join(ok_dtypes)}. "
                                 f"Fix: {fix}")
-    for key in sorted(set(stored) - expected_keys):
+    for key in sorted(set(stored) - expected_keys - set(stray)):
         module = key.rpartition(".")[0]
         reason = (f"{module} is {quantized[module]} and does not store it" if module in quantized
                   else f"{module} is not quantized by config.json" if any(s.name == module for s in specs)
                   else "no module of this config has it")
         problems.append(f"{key}: unexpected tensor ({reason}). Fix: remove it, or use the config.json written "
                         "with these shards")
-    return problems
-
-
-def _fused_problems(quantized: dict[str, str], module_names: list[str]) -> list[str]:
-    problems = []
-    for fused, members in fused_module_groups(module_names).items():
-        decisions: dict[str, list[str]] = {}
-        for name in members:
-            decisions.setdefault(quantized.get(name, "unquantized"), []).append(name)
-        if len(decisions) > 1:
-            split = "; ".join(f"{fmt}: {', '.join(names)}" for fmt, names in decisions.items())
-            problems.append(f"{fused}: vLLM fuses {', '.join(members)} into one layer, which takes one scheme, "
-                            f"but they differ ({split}). Fix: {_REQUANTIZE}, including all of them or none")
     return problems
 
 
@@ -235,59 +220,53 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
         report.summary.append(f"target heads (shared embedding and lm_head): {target}")
 
     qc: dict[str, Any] | None = raw.get("quantization_config")
-    if qc is None:
+    quantized, stray = _check_quantization(report, config, qc, stored)
+    if quantized is None:
+        return report  # an unreadable quantization_config says nothing about the tensors
+    if qc is None and not quantized:
         params = sum(math.prod(t.shape) for t in stored.values())
         report.summary.append(f"not quantized (no quantization_config); {human_params(params)} params")
-    elif not _check_quantization(report, qc, specs, stored):
-        return report  # an unreadable quantization_config says nothing about the tensors
-    report.problems += _tensor_problems(specs, report.quantized_modules, stored)
+    else:
+        _summarize_quantization(report, quantized, specs)
+    report.quantized_modules = quantized
+    report.problems += _scale_problems(specs, quantized, stored)
+    report.problems += _tensor_problems(specs, quantized, stored, stray)
     return report
 
 
-def _per_layer_entry_problems(qc: dict[str, Any]) -> list[str]:
-    entries = list(qc.get("ignore") or [])
-    for group in qc["config_groups"].values():
-        entries += group.get("targets", []) if isinstance(group, dict) else group
-    per_layer = [e for e in entries if not e.startswith("re:") and _PER_LAYER_NAME.search(e)]
-    if not per_layer:
-        return []
-    return [f"{len(per_layer)} quantization_config entries name draft layers by checkpoint index "
-            f"({', '.join(per_layer[:3])}{', ...' if len(per_layer) > 3 else ''}): vLLM numbers the draft's layers "
-            "after the target's (model.layers.93... for Kimi-K3), so they never match at runtime and those "
-            f"modules get the wrong scheme. Fix: {_REQUANTIZE}, which writes index-agnostic 're:' patterns"]
-
-
 def _check_quantization(
-    report: CheckReport, qc: dict[str, Any], specs: list[ModuleSpec], stored: dict[str, StoredTensor]
-) -> bool:
-    """Check ``qc`` against the modules and scales into ``report``; False if ``qc`` is unreadable."""
-    names = [spec.name for spec in specs]
-    report.config_groups = len(qc.get("config_groups") or {})
-    match = formats.match_modules(qc, names)
-    report.problems += match.problems
-    report.quantized_modules = match.quantized
-    report.ignored_modules = match.ignored
-    if report.config_groups != 1:
-        report.problems.append(f"quantization_config has {report.config_groups} config groups; a drafter "
-                               f"needs exactly one. Fix: {_REQUANTIZE}")
-    if not match.parsed:
-        return False
-    report.problems += _per_layer_entry_problems(qc)
-    fmts = sorted(set(match.quantized.values()))
-    quantized_params = sum(math.prod(s.shape) for s in specs if s.name in match.quantized)
+    report: CheckReport, config: Any, qc: dict[str, Any] | None, stored: dict[str, StoredTensor]
+) -> tuple[dict[str, str] | None, tuple[str, ...]]:
+    """Resolve the quantization plan into ``report``: ``({module: fmt} to check the tensors against, strays)``.
+
+    When the plan is refused, the tensors are checked against what ``qc`` says (None if it is unreadable).
+    """
+    report.config_groups = len((qc or {}).get("config_groups") or {})
+    try:
+        plan = quant_plan.resolve(config, qc, {key: t.dtype for key, t in stored.items()})
+    except quant_plan.QuantPlanError as e:
+        report.problems.append(str(e))
+        stray = tuple(k for k in stored if quant_plan.is_stray(k, config))
+        linears = {spec.name for spec in checkpoint_modules(config) if spec.role == "linear"}
+        try:
+            said = quant_plan.declared(config, qc) if qc is not None else {}
+            return {m: fmt for m, fmt in said.items() if m in linears}, stray
+        except quant_plan.QuantPlanError:
+            return None, stray
+    report.warnings += [w for w in (plan.warning, plan.stray_warning()) if w]
+    return plan.modules, plan.stray
+
+
+def _summarize_quantization(report: CheckReport, quantized: dict[str, str], specs: list[ModuleSpec]) -> None:
+    fmts = sorted(set(quantized.values()))
+    quantized_params = sum(math.prod(s.shape) for s in specs if s.name in quantized)
     dense_params = sum(math.prod(s.shape) + (s.shape[0] if s.bias else 0) for s in specs)
     report.summary.append(
         f"quantization_config: {report.config_groups} config group(s), format {', '.join(fmts) or 'none'}: "
-        f"{len(match.quantized)} quantized modules ({human_params(quantized_params)} of {human_params(dense_params)} "
-        f"params, {100 * quantized_params / max(dense_params, 1):.0f} %), {len(match.ignored)} ignored modules"
+        f"{len(quantized)} quantized modules ({human_params(quantized_params)} of {human_params(dense_params)} "
+        f"params, {100 * quantized_params / max(dense_params, 1):.0f} %), {len(specs) - len(quantized)} unquantized "
+        "modules"
     )
-    if match.unmatched:
-        report.summary.append(f"neither targeted nor ignored (stay unquantized): {', '.join(match.unmatched)}")
-    if not match.quantized and not match.problems:
-        report.problems.append(f"quantization_config quantizes no module of this drafter. Fix: {_REQUANTIZE}")
-    report.problems += _fused_problems(match.quantized, names)
-    report.problems += _scale_problems(specs, match.quantized, stored)
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ each offending tensor and the shape the config implies, before any weight is rea
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import struct
@@ -44,6 +45,7 @@ __all__ = [
     "load_target_heads",
     "read_config_json",
     "save_drafter",
+    "stored_dtypes",
     "validate_tensor_shapes",
 ]
 
@@ -54,6 +56,7 @@ TARGET_EMBED_KEY = "model.embed_tokens.weight"
 TARGET_LM_HEAD_KEY = "lm_head.weight"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the HF default, "5GB"
 
+_LOG = logging.getLogger(__name__)
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _MAX_LISTED_PROBLEMS = 12
 
@@ -251,6 +254,11 @@ def checked_weight_map(model_dir: Path) -> dict[str, Path]:
     return weight_map
 
 
+def stored_dtypes(weight_map: Mapping[str, Path]) -> dict[str, str]:
+    """``{key: safetensors dtype}`` from the file headers, without reading any tensor data."""
+    return {key: dtype for key, (_, dtype) in _header(weight_map).items()}
+
+
 def _header(weight_map: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{key: (shape, safetensors dtype)}`` from the file headers, without reading any tensor data."""
     info: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -263,22 +271,6 @@ def _header(weight_map: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ...], 
                 piece = f.get_slice(key)
                 info[key] = (tuple(piece.get_shape()), piece.get_dtype())
     return info
-
-
-def _quantized_modules(raw_config: Mapping[str, Any], config: K3DSparkConfig, model_dir: Path) -> dict[str, str]:
-    quantization_config = raw_config.get("quantization_config")
-    if quantization_config is None:
-        return {}
-    try:
-        from vllm_dspark import formats
-    except ImportError as e:
-        raise ValueError(f"{model_dir / CONFIG_NAME} has a quantization_config, but vllm_dspark.formats, which "
-                         f"reads it, cannot be imported ({e}).") from None
-    names = [spec.name for spec in checkpoint_modules(config) if spec.quantizable]
-    try:
-        return dict(formats.quantized_modules(quantization_config, names))
-    except ValueError as e:
-        raise ValueError(f"{model_dir / CONFIG_NAME}: quantization_config: {e}") from None
 
 
 def load_drafter_state_dict(
@@ -295,13 +287,22 @@ def load_drafter_state_dict(
     instant, and processes reading the same checkpoint share its pages. :func:`save_drafter` replaces
     files atomically, so rewriting a checkpoint never changes a mapped one under a running reader.
     """
+    from vllm_dspark.quant_plan import QuantPlanError, is_stray, resolve
+
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     raw = read_config_json(model_dir)
-    quantized = _quantized_modules(raw, config, model_dir)
     weight_map = checked_weight_map(model_dir)
     header = _header(weight_map)
-    _check_quantized_storage(quantized, header, model_dir, config)
+    try:
+        plan = resolve(config, raw.get("quantization_config"), {k: d for k, (_, d) in header.items()})
+    except QuantPlanError as e:
+        raise ValueError(f"{model_dir}: {e}") from None
+    for warning in (plan.warning, plan.stray_warning()):
+        if warning:
+            _LOG.warning("%s: %s", model_dir, warning)
+    header = {k: v for k, v in header.items() if not is_stray(k, config)}
+    quantized = plan.modules
     validate_tensor_shapes({k: s for k, (s, _) in header.items()}, expected_tensor_shapes(config, quantized),
                            source=f"checkpoint {model_dir}", config=config)
 
@@ -324,32 +325,6 @@ def load_drafter_state_dict(
                 bias = read(f"{spec.name}.bias")
                 state_dict[f"{spec.name}.bias"] = bias if dtype is None else bias.to(dtype)
     return config, state_dict
-
-
-def _check_quantized_storage(
-    quantized: Mapping[str, str], header: Mapping[str, tuple[tuple[int, ...], str]], model_dir: Path,
-    config: K3DSparkConfig,
-) -> None:
-    """Refuse shards that store a module differently from how config.json says it is quantized."""
-    from vllm_dspark import formats
-
-    shapes = {spec.name: spec.shape for spec in checkpoint_modules(config)}
-    for module, fmt in quantized.items():
-        # The codes tensor comes first: fp8's ``weight``, the 4-bit formats' ``weight_packed``.
-        suffix, codes = next(iter(formats.quantized_tensor_specs(fmt, shapes[module]).items()))
-        main, wanted = f"{module}.{suffix}", SAFETENSORS_DTYPES[codes.dtype]
-        if main in header:
-            if header[main][1] == wanted:
-                continue
-            stored_key = main
-        elif f"{module}.weight" in header:
-            stored_key = f"{module}.weight"  # a 4-bit format expected, an unquantized weight found
-        else:
-            continue  # absent altogether: reported with the other missing tensors
-        raise ValueError(f"config.json and the shards of {model_dir} disagree: the quantization_config "
-                         f"quantizes {module} as {fmt}, but the shards store {stored_key} as {header[stored_key][1]} "
-                         f"({fmt} stores {suffix} as {wanted}). Fix: use the config.json "
-                         "written with these shards.")
 
 
 def _dequantize(

@@ -4,8 +4,8 @@
 Everything numeric comes from the compressed-tensors package: its preset schemes define the
 formats, its qparam helpers compute the scales, its compressors quantize, pack and decompress.
 This module only chooses the scheme per format, feeds tensors through it in row chunks (so a
-14336 x 7168 projection never needs more than a few tens of MiB of scratch), and says which
-checkpoint modules a ``quantization_config`` quantizes, with the matching rules vLLM applies.
+14336 x 7168 projection never needs more than a few tens of MiB of scratch), and writes and
+parses ``quantization_config`` blocks; which modules one quantizes is :mod:`vllm_dspark.quant_plan`'s.
 
 ========  ==========================================  ===========================================
 format    weights                                     tensors per module (N out, K in)
@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import functools
 import math
-import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,7 +37,6 @@ from compressed_tensors.quantization import (
 )
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams, compute_dynamic_scales_and_zp, generate_gparam
-from compressed_tensors.utils.match import match_name
 
 from vllm_dspark.layout import (
     GLOBAL_KINDS,
@@ -73,8 +71,6 @@ ACCEPTED_FORMAT_STRINGS = {
 # FP4 packer's [rows, K, 8] float scratch tensor stays near 32 MiB.
 _CHUNK_ELEMENTS = 1 << 20
 
-
-_GLOB_CHARS = frozenset("*?[")
 
 
 @dataclass(frozen=True)
@@ -301,12 +297,19 @@ def quantization_config(fmt: str, include_kinds: Sequence[str], config: "K3DSpar
     """
     kinds = validate_include_kinds(include_kinds, fmt, config)
     present = dict.fromkeys(spec.kind for spec in checkpoint_modules(config))
-    scheme = _scheme(fmt).model_copy(update={"targets": [kind_regex(k) for k in kinds]})
+    return compressed_tensors_config({fmt: [kind_regex(k) for k in kinds]},
+                                     ignore=[kind_regex(k) for k in present if k not in kinds])
+
+
+def compressed_tensors_config(targets: Mapping[str, Sequence[str]], *, ignore: Sequence[str]) -> dict[str, Any]:
+    """A ``quantization_config`` dict: one config group per format in ``targets`` ({fmt: target entries})."""
+    groups = {f"group_{i}": _scheme(fmt).model_copy(update={"targets": list(entries)})
+              for i, (fmt, entries) in enumerate(targets.items())}
     qc = QuantizationConfig(
-        config_groups={"group_0": scheme},
-        format=scheme.format,
+        config_groups=groups,
+        format=next(iter(groups.values())).format if len(groups) == 1 else "mixed-precision",
         quantization_status=QuantizationStatus.COMPRESSED,
-        ignore=[kind_regex(k) for k in present if k not in kinds],
+        ignore=list(ignore),
     )
     return qc.model_dump(mode="json")
 
@@ -339,7 +342,8 @@ def _group_format(scheme: QuantizationScheme, top_format: str | None) -> str:
     )
 
 
-def _parse(quantization_config: dict[str, Any]) -> QuantizationConfig:
+def parse_quantization_config(quantization_config: dict[str, Any]) -> QuantizationConfig:
+    """compressed-tensors' model of a ``quantization_config`` dict; ``ValueError`` unless it is compressed-tensors."""
     if quantization_config.get("quant_method") != "compressed-tensors":
         raise ValueError(
             f"quant_method is {quantization_config.get('quant_method')!r}; only 'compressed-tensors' is supported"
@@ -349,7 +353,7 @@ def _parse(quantization_config: dict[str, Any]) -> QuantizationConfig:
 
 def group_formats(quantization_config: dict[str, Any]) -> dict[str, str]:
     """``{config group name: fmt}``; ``ValueError`` for a group that is none of :data:`FORMATS`."""
-    qc = _parse(quantization_config)
+    qc = parse_quantization_config(quantization_config)
     formats = {}
     for name, scheme in qc.config_groups.items():
         try:
@@ -365,80 +369,3 @@ def format_of(quantization_config: dict[str, Any]) -> str:
     if len(found) != 1:
         raise ValueError(f"expected one weight format across config groups, found {sorted(found) or 'none'}")
     return found.pop()
-
-
-def _glob_problem(where: str, entry: str) -> str:
-    pattern = re.escape(entry).replace(r"\*", ".*").replace(r"\?", ".")
-    return (
-        f"{where} entry {entry!r} is a shell glob, but compressed-tensors matches only exact module names "
-        f"or 're:' regexes, so it never matches anything; write 're:.*{pattern}' instead"
-    )
-
-
-@dataclass
-class ModuleMatch:
-    """How a ``quantization_config`` applies to a list of HF module names."""
-
-    quantized: dict[str, str] = field(default_factory=dict)  # name -> fmt
-    ignored: list[str] = field(default_factory=list)
-    unmatched: list[str] = field(default_factory=list)  # neither targeted nor ignored: unquantized
-    problems: list[str] = field(default_factory=list)
-    parsed: bool = True  # False when the config itself is unreadable: then nothing was matched
-
-
-def match_modules(quantization_config: dict[str, Any], module_names: Sequence[str]) -> ModuleMatch:
-    """Apply compressed-tensors matching (exact or ``re:``, ignore wins) and collect every problem.
-
-    Problems: a group in no supported format, glob entries (never match), module-class targets
-    (this check cannot resolve them from names), and modules both targeted and ignored.
-    """
-    result = ModuleMatch()
-    try:
-        formats = group_formats(quantization_config)
-        qc = _parse(quantization_config)
-    except ValueError as e:
-        result.problems.append(str(e))
-        result.parsed = False
-        return result
-    ignore = list(qc.ignore or [])
-    targets = [(t, formats[g]) for g, scheme in qc.config_groups.items() for t in scheme.targets]
-    for where, entries in (("ignore", ignore), ("target", [t for t, _ in targets])):
-        result.problems += [_glob_problem(where, e) for e in entries if not e.startswith("re:") and _GLOB_CHARS & set(e)]
-    known = set(module_names)
-    result.problems += [
-        f"target {t!r} is a module-class name: vLLM would apply it to every layer of that class, including "
-        "the fused fused_qkv_a_proj and context_kv_proj, which names cannot describe; target modules with "
-        "index-agnostic 're:' patterns instead (vllm-dspark quantize writes them)"
-        for t, _ in targets
-        if t[:1].isupper() and "." not in t and t not in known
-    ]
-    overlap = []
-    for name in module_names:
-        target = next(((t, fmt) for t, fmt in targets if match_name(name, t)), None)
-        ignored_by = next((i for i in ignore if match_name(name, i)), None)
-        if target and ignored_by:
-            overlap.append(f"{name} (target {target[0]!r}, ignore {ignored_by!r})")
-        elif ignored_by:
-            result.ignored.append(name)
-        elif target:
-            result.quantized[name] = target[1]
-        else:
-            result.unmatched.append(name)
-    if overlap:
-        result.problems.append(
-            f"{len(overlap)} module(s) are both targeted and ignored: {'; '.join(overlap)}. compressed-tensors "
-            "lets ignore win, so these stay unquantized: drop them from one of the two lists"
-        )
-    return result
-
-
-def quantized_modules(quantization_config: dict[str, Any], module_names: Sequence[str]) -> dict[str, str]:
-    """``{HF module name: fmt}`` of the modules in ``module_names`` that the config quantizes.
-
-    Raises ``ValueError`` on target/ignore overlap, glob-style entries, module-class targets, or
-    a config group in no supported format.
-    """
-    match = match_modules(quantization_config, module_names)
-    if match.problems:
-        raise ValueError("; ".join(match.problems))
-    return match.quantized

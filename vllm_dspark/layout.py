@@ -118,6 +118,13 @@ def module_kind(name: str) -> str:
     return m.group(2) if m else name
 
 
+def runtime_name(spec: ModuleSpec, start_layer_id: int, prefix: str = "model") -> str:
+    """The name vLLM gives checkpoint module ``spec``: draft layers are numbered after the target's."""
+    if spec.layer is None:
+        return f"{prefix}.{spec.name}"
+    return f"{prefix}.layers.{start_layer_id + spec.layer}.{spec.kind}"
+
+
 def kind_regex(kind: str) -> str:
     """A compressed-tensors ``re:`` pattern matching ``kind`` at any layer index and any prefix.
 

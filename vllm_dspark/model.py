@@ -20,14 +20,14 @@ Design:
   ``.weight`` back, because vLLM's CPU linears repack and drop it after loading.
 - **Attention** is vLLM's Kimi-K3 MLA layer on GPUs, so draft layers join the target's MLA KV-cache
   group; elsewhere a plain-torch layer with the same submodules (:mod:`vllm_dspark.attention`).
-- **Quantization.** One quantization-config instance serves every layer. It is the draft's own
-  (``get_draft_quant_config``), checked against the checkpoint before any layer exists: what the
-  checkpoint's ``quantization_config`` quantizes (:func:`vllm_dspark.formats.quantized_modules`,
-  on checkpoint names) must be what vLLM will quantize at the runtime names, where draft layers
-  are numbered after the target's (``model.layers.93-97`` for Kimi-K3). Literal per-layer names
-  are renamed to the runtime numbering, ``packed_modules_mapping`` is set on that instance, and
-  anything that would still diverge, split a fused module, or quantize a module this model runs
-  unquantized is refused with the module and the fix.
+- **Quantization.** One quantization-config instance serves every layer, built from the plan of
+  :mod:`vllm_dspark.quant_plan` (stored tensors first, reconciled with ``quantization_config``
+  under compressed-tensors' matching): a normalized compressed-tensors config that names the
+  quantized modules by their runtime names (draft layers are numbered after the target's,
+  ``model.layers.93-97`` for Kimi-K3), with ``packed_modules_mapping``. A config that conflicts
+  with the tensors is refused naming the module; one outside the spec whose tensors are
+  unambiguous is served as stored, with one warning. vLLM picks each linear's kernel for the
+  platform; one INFO line at load names them.
 - **Sharing and TP.** The embedding and lm_head are the target's (aliased by vLLM's
   ``load_dspark_model``). The Markov and confidence heads are replicated, so every TP rank drafts
   identical tokens; context projections are replicated too, attention heads and the MLP are split.
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,7 +45,9 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
+    LinearBase,
     MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -56,16 +59,9 @@ from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefi
 from vllm.models.common.ops.fused_allreduce_rms_norm import fused_allreduce_rms_norm
 from vllm.platforms import current_platform
 
-from vllm_dspark import formats
 from vllm_dspark.attention import build_latent_attention, rotate_pe
-from vllm_dspark.layout import (
-    FUSED_GROUPS,
-    QUANTIZABLE_KINDS,
-    ModuleSpec,
-    checkpoint_modules,
-    kind_regex,
-    validate_fused_decision,
-)
+from vllm_dspark.layout import FUSED_GROUPS, checkpoint_modules
+from vllm_dspark.quant_plan import QuantPlan, QuantPlanError, is_stray, resolve_checkpoint, vllm_quantization_config
 
 if TYPE_CHECKING:
     from vllm.config import CacheConfig
@@ -74,6 +70,8 @@ if TYPE_CHECKING:
     from vllm_dspark.config import K3DSparkConfig
 
 __all__ = ["K3DSparkForCausalLM", "K3DSparkModel"]
+
+logger = init_logger(__name__)
 
 # vLLM fuses these checkpoint modules into one runtime layer. Compressed-tensors matches a fused
 # layer through its shards only when the quant config carries this mapping.
@@ -87,36 +85,50 @@ _FUSED_MEMBER: dict[str, tuple[str, int]] = {
 _KV_A_KIND = "self_attn.kv_a_proj_with_mqa"
 
 
-def _runtime_module_name(spec: ModuleSpec, *, model_prefix: str, start_layer_id: int) -> str:
-    """The name vLLM gives checkpoint module ``spec`` at runtime (what quantization matches)."""
-    if spec.layer is None:
-        return f"{model_prefix}.{spec.name}"
-    return f"{model_prefix}.layers.{start_layer_id + spec.layer}.{spec.kind}"
+def _draft_dir(vllm_config: VllmConfig) -> Path:
+    """The drafter's local directory; a hub id is fetched here, as vLLM's loader would fetch it next."""
+    draft = vllm_config.speculative_config.draft_model_config
+    if Path(draft.model).is_dir():
+        return Path(draft.model)
+    from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
+
+    return Path(download_weights_from_hf(draft.model, vllm_config.load_config.download_dir,
+                                         ["*.safetensors", "*.json"], revision=draft.revision))
 
 
 def _draft_quant_config(
     vllm_config: VllmConfig, config: K3DSparkConfig, *, model_prefix: str, start_layer_id: int
-) -> QuantizationConfig | None:
-    """The one quantization config every draft layer uses, checked against the checkpoint.
+) -> tuple[QuantizationConfig | None, QuantPlan]:
+    """The one quantization config every draft layer uses, and the plan it was built from.
 
+    The plan is :func:`vllm_dspark.quant_plan.resolve`'s, from the stored tensors and config.json;
+    vLLM gets it as one normalized compressed-tensors config naming the quantized modules by their
+    runtime names (draft layers numbered after the target's), with ``packed_modules_mapping``.
     ``vllm_config.quant_config`` is the draft's only inside ``load_dspark_model``; anywhere else it
     is the target's, so the draft's own is built here, once, and handed to every layer.
     """
-    quant_config = get_draft_quant_config(vllm_config)
-    if quant_config is None:
-        return None
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig,
     )
 
-    raw = getattr(config, "quantization_config", None)
-    if not isinstance(quant_config, CompressedTensorsConfig) or raw is None:
+    quant_config = get_draft_quant_config(vllm_config)
+    if quant_config is not None and not isinstance(quant_config, CompressedTensorsConfig):
         raise ValueError(
             f"the K3 DSpark drafter serves BF16 or compressed-tensors checkpoints, but its quantization is "
             f"{quant_config.get_name()!r}. Fix: serve the BF16 checkpoint without a quantization override, or "
             "quantize it with `vllm-dspark quantize --quant_format fp8`."
         )
-    raw = raw if isinstance(raw, dict) else raw.to_dict()
+    draft_dir = _draft_dir(vllm_config)
+    try:
+        plan = resolve_checkpoint(draft_dir)
+    except QuantPlanError as e:
+        raise ValueError(f"K3 DSpark drafter {draft_dir}: {e}") from None
+    for warning in (plan.warning, plan.stray_warning()):
+        if warning:
+            logger.warning("K3 DSpark drafter %s: %s", draft_dir, warning)
+    normalized = vllm_quantization_config(plan, config, start_layer_id=start_layer_id, prefix=model_prefix)
+    if normalized is None:
+        return None, plan
     if current_platform.is_cpu():
         # vLLM has no CPU kernel for FP8 weight-only linears: add ours before any layer picks one.
         # Imported here: vLLM's kernel registry takes a second to import, and only quantized
@@ -124,80 +136,22 @@ def _draft_quant_config(
         from vllm_dspark.cpu_w8a16 import install
 
         install()
-    specs = checkpoint_modules(config)
-    try:
-        plan = formats.quantized_modules(raw, [spec.name for spec in specs])
-    except ValueError as e:
-        raise ValueError(f"K3 DSpark drafter config.json quantization_config: {e}") from None
-    runtime = {
-        spec.name: _runtime_module_name(spec, model_prefix=model_prefix, start_layer_id=start_layer_id)
-        for spec in specs
-    }
-    _check_quantized_modules(plan, specs, runtime)
-
-    # Literal checkpoint names would never match the renumbered runtime layers: rename them. `re:`
-    # patterns are left alone and checked below.
-    quant_config.ignore = [runtime.get(entry, entry) for entry in quant_config.ignore]
-    quant_config.target_scheme_map = {
-        runtime.get(target, target): scheme for target, scheme in quant_config.target_scheme_map.items()
-    }
+    quant_config = CompressedTensorsConfig.from_config(normalized)
     quant_config.packed_modules_mapping = dict(PACKED_MODULES_MAPPING)
-
-    diverging = []
-    for spec in specs:
-        if spec.kind not in QUANTIZABLE_KINDS:
-            continue  # built without a quant config, whatever the patterns say
-        # Scheme lookup by name only: module-class targets were refused by quantized_modules.
-        scheme = quant_config.get_scheme_dict(nn.Module(), runtime[spec.name])
-        if bool(scheme and scheme.get("weights") is not None) != (spec.name in plan):
-            stored = f"stored as {plan[spec.name]}" if spec.name in plan else "stored unquantized"
-            served = "would quantize" if spec.name not in plan else "does not match"
-            diverging.append(f"{spec.name} ({stored}; vLLM names it {runtime[spec.name]}, which the config {served})")
-    if diverging:
-        raise ValueError(
-            "the drafter's quantization_config matches checkpoint names and vLLM's runtime names differently "
-            f"for: {'; '.join(diverging)}. Fix: write targets and ignore entries as index-agnostic 're:' "
-            f"patterns that also match a 'model.' prefix, e.g. {kind_regex('mlp.gate_proj')!r} "
-            "(`vllm-dspark quantize` writes them)."
-        )
-    return quant_config
+    return quant_config, plan
 
 
-def _check_quantized_modules(plan: dict[str, str], specs: list[ModuleSpec], runtime: dict[str, str]) -> None:
-    """Refuse checkpoint quantization that this model cannot run."""
-    for spec in specs:
-        if spec.name in plan and spec.kind not in QUANTIZABLE_KINDS:
-            raise ValueError(
-                f"{spec.name} is quantized ({plan[spec.name]}) by the checkpoint's quantization_config, but "
-                f"K3DSparkForCausalLM runs {spec.kind} unquantized (only {', '.join(QUANTIZABLE_KINDS)} can be "
-                f"quantized). Fix: re-quantize with {spec.kind} left out (add {kind_regex(spec.kind)!r} to the "
-                "ignore list; `vllm-dspark quantize` does)."
-            )
-    for layer in sorted({spec.layer for spec in specs if spec.layer is not None}):
-        names = {spec.kind: spec.name for spec in specs if spec.layer == layer}
-        served_as = runtime[names["input_layernorm"]].removesuffix(".input_layernorm")
-        try:
-            validate_fused_decision({kind for kind, name in names.items() if name in plan})
-        except ValueError as e:
-            raise ValueError(f"layers.{layer} (served as {served_as}): {e} Fix: re-quantize this checkpoint "
-                             "(`vllm-dspark quantize` never splits a fused group).") from None
-        for fused, members in FUSED_GROUPS.items():
-            formats_found = {plan[names[m]] for m in members if names[m] in plan}
-            if len(formats_found) > 1:
-                raise ValueError(
-                    f"layers.{layer} (served as {served_as}): {' and '.join(members)} are fused into {fused} at "
-                    f"runtime but stored in different formats ({', '.join(sorted(formats_found))}). Fix: "
-                    "re-quantize both to one format."
-                )
-    # context_kv_proj stacks every layer's kv_a_proj_with_mqa into one linear: one decision for all.
-    kv_a = {spec.name: plan.get(spec.name, "bf16") for spec in specs if spec.kind == _KV_A_KIND}
-    if len(set(kv_a.values())) > 1:
-        decisions = ", ".join(f"{name}: {fmt}" for name, fmt in kv_a.items())
-        raise ValueError(
-            f"kv_a_proj_with_mqa is quantized differently across layers ({decisions}), "
-            "but the drafter stacks all of them into one context_kv_proj. Fix: quantize self_attn.q_a_proj and "
-            "self_attn.kv_a_proj_with_mqa in every layer or in none."
-        )
+def _log_linear_kernels(model: nn.Module) -> None:
+    """One INFO line naming the kernel vLLM picked for each quantized linear (it chooses per platform)."""
+    by_kernel: dict[str, list[str]] = defaultdict(list)
+    for name, module in model.named_modules():
+        scheme = getattr(module, "scheme", None)
+        if isinstance(module, LinearBase) and scheme is not None:
+            kernel = getattr(scheme, "linear_kernel", None) or getattr(scheme, "kernel", None) or scheme
+            by_kernel[f"{type(scheme).__name__} via {type(kernel).__name__}"].append(name)
+    if by_kernel:
+        logger.info("K3 DSpark drafter quantized linears: %s",
+                    "; ".join(f"{kernel}: {', '.join(names)}" for kernel, names in by_kernel.items()))
 
 
 def _grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -412,7 +366,7 @@ class K3DSparkForCausalLM(nn.Module):
                 f"target has {start_layer_id} layers. Fix: serve it with the target it was trained for."
             )
         model_prefix = maybe_prefix(prefix, "model")
-        self.quant_config = _draft_quant_config(
+        self.quant_config, self._quant_plan = _draft_quant_config(
             vllm_config, self.config, model_prefix=model_prefix, start_layer_id=start_layer_id
         )
         self.model = K3DSparkModel(
@@ -489,6 +443,8 @@ class K3DSparkForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         filled: dict[str, set[int | None]] = defaultdict(set)
         for name, tensor in weights:
+            if is_stray(name, self.config):
+                continue  # warned about once, when the plan was resolved
             module, _, param_name = name.rpartition(".")
             routes = self._weight_routes.get(module)
             if routes is None:
@@ -534,6 +490,7 @@ class K3DSparkForCausalLM(nn.Module):
         # Runs after every layer's own post-load step; norms keep their weights (only linears are
         # repacked), so the context path can stack them now.
         self.model.stack_context_kv_norms()
+        _log_linear_kernels(self)
 
 
 def _weight_routes(config: K3DSparkConfig) -> dict[str, list[tuple[str, int | None]]]:

@@ -1,0 +1,320 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which checkpoint module is stored in which format: the one quantization plan every tool uses.
+
+The plan comes from the stored tensors first (safetensors headers only: each module's dtypes and
+which of ``weight``, ``weight_scale``, ``weight_packed``, ``weight_global_scale`` it has), and is
+then reconciled with ``quantization_config`` under compressed-tensors' own matching, by calling
+its ``is_match``: exact names or ``re:`` patterns, module classes (``Linear``), ignore wins. A
+config entry may name a module as the checkpoint does (``layers.0.mlp.gate_proj``), with
+``model.``, with the layer number vLLM gives it at runtime (``model.layers.93...`` for Kimi-K3), or
+by the fused layer vLLM builds from it (``gate_up_proj``, ``fused_qkv_a_proj``, ``context_kv_proj``).
+
+Three outcomes:
+
+- config and tensors agree: the plan is served;
+- the config is outside the spec (entries that match no module: bare suffixes such as
+  ``mlp.gate_proj``, shell globs, regexes anchored too early), but read as their author meant them
+  they describe the tensors: served per the tensors, with one warning naming the entries and the
+  rewrite that fixes them;
+- they conflict: :class:`QuantPlanError`, one line naming the module and the fix.
+
+The check, the doctor, the quantizer, the drift harness, the reference loader and the vLLM model
+class all ask :func:`resolve`; :func:`vllm_quantization_config` is the normalized config vLLM gets.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from compressed_tensors.utils.match import is_match
+
+from vllm_dspark import formats
+from vllm_dspark.layout import (
+    FUSED_GROUPS,
+    QUANTIZABLE_KINDS,
+    ModuleSpec,
+    checkpoint_modules,
+    fused_module_groups,
+    kind_regex,
+    runtime_name,
+)
+
+if TYPE_CHECKING:
+    from vllm_dspark.config import K3DSparkConfig
+
+__all__ = ["QuantPlan", "QuantPlanError", "declared", "is_stray", "resolve", "resolve_checkpoint", "vllm_quantization_config"]
+
+_FIX_SHARDS = "use the config.json written with these shards, or re-quantize the BF16 checkpoint with `vllm-dspark quantize`"
+_FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
+_GLOB_CHARS = frozenset("*?[")
+_KV_A_KIND = "self_attn.kv_a_proj_with_mqa"
+
+
+class QuantPlanError(ValueError):
+    """quantization_config and the stored tensors conflict; the message names the module and the fix."""
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """``modules``: checkpoint module -> format of every quantized module (the rest are stored BF16)."""
+
+    modules: dict[str, str] = field(default_factory=dict)
+    warning: str | None = None  # set when the config is outside the spec but the tensors are unambiguous
+    stray: tuple[str, ...] = ()  # stored tensors the served model drops (see :func:`is_stray`)
+
+    def stray_warning(self) -> str | None:
+        """The one warning about :attr:`stray` tensors, or None."""
+        if not self.stray:
+            return None
+        return (f"skipping {len(self.stray)} stored tensor(s) the drafter does not use ({', '.join(self.stray[:4])}"
+                f"{', ...' if len(self.stray) > 4 else ''}): the lm_head is the target's, and a confidence head "
+                "is only built with enable_confidence_head")
+
+
+def is_stray(key: str, config: K3DSparkConfig) -> bool:
+    """Whether stored tensor ``key`` is one vLLM's in-tree class drops: the target's ``lm_head`` copied into
+    the drafter's shards, or ``confidence_head.*`` of a drafter built without one."""
+    return key.startswith("lm_head.") or (not config.enable_confidence_head and key.startswith("confidence_head."))
+
+
+# --- what the tensors say ---------------------------------------------------------------------
+
+
+def _stored_format(dtypes: Mapping[str, str]) -> str | None:
+    """The format a module's ``{suffix: safetensors dtype}`` is stored in; None for float, "?" if unknown."""
+    if "weight_packed" in dtypes:
+        if "weight_global_scale" in dtypes:
+            return "nvfp4"
+        return "mxfp4" if dtypes.get("weight_scale") == "U8" else "?"
+    weight = dtypes.get("weight")
+    if weight == "F8_E4M3":
+        return "fp8"
+    return None if weight in _FLOAT_DTYPES else "?"
+
+
+def _stored_plan(specs: list[ModuleSpec], dtypes: Mapping[str, str]) -> dict[str, str | None]:
+    by_module: dict[str, dict[str, str]] = {}
+    for key, dtype in dtypes.items():
+        module, _, suffix = key.rpartition(".")
+        by_module.setdefault(module, {})[suffix] = dtype
+    return {s.name: _stored_format(by_module.get(s.name, {})) for s in specs}
+
+
+def _why_unquantized(kind: str) -> str:
+    if kind == "markov_head.markov_w2":
+        return "the Markov head's bias reaches every drafted token's logits"
+    if kind == "confidence_head.proj":
+        return "the confidence head runs in fp32 and decides draft lengths"
+    if kind in ("embed_tokens", "markov_head.markov_w1"):
+        return "it is an embedding table (a row lookup, not a matmul)"
+    if kind in QUANTIZABLE_KINDS:
+        return ""
+    return "it is a norm"
+
+
+def _check_storage(specs: list[ModuleSpec], stored: dict[str, str | None]) -> None:
+    """Refuse tensors that no config could make servable: quantized non-linears, split fused layers."""
+    for spec in specs:
+        fmt = stored[spec.name]
+        if fmt not in (None, "?") and spec.kind not in QUANTIZABLE_KINDS:
+            raise QuantPlanError(f"{spec.name} is stored as {fmt}, but {_why_unquantized(spec.kind)}, so the drafter "
+                                 f"runs it unquantized. Fix: re-quantize the BF16 checkpoint with `vllm-dspark "
+                                 "quantize`, which keeps it BF16")
+    for fused, members in fused_module_groups(s.name for s in specs).items():
+        found = {m: stored[m] for m in members if stored[m] != "?"}
+        if len(set(found.values())) > 1:
+            split = ", ".join(f"{m} as {f or 'BF16'}" for m, f in found.items())
+            why = (" (context_kv_proj stacks every layer's kv_a_proj_with_mqa)" if fused.startswith("self_attn.") else "")
+            raise QuantPlanError(f"{fused}: the shards store {split}, but vLLM fuses them into one layer, which takes "
+                                 f"one scheme{why}. Fix: re-quantize the BF16 checkpoint with `vllm-dspark quantize`, "
+                                 "which quantizes all of them or none")
+
+
+# --- what the config says ---------------------------------------------------------------------
+
+
+class RMSNorm(torch.nn.Module):
+    """Stands in for a norm when matching class targets (models name their norm classes ``*RMSNorm``)."""
+
+
+@functools.cache
+def _stand_in(role: str) -> torch.nn.Module:
+    """A module of the class a checkpoint module has in the model, for compressed-tensors' class matching."""
+    if role == "linear":
+        return torch.nn.Linear(1, 1, bias=False, device="meta")
+    if role == "embedding":
+        return torch.nn.Embedding(1, 1, device="meta")
+    return RMSNorm()
+
+
+def _names(spec: ModuleSpec, start_layer_id: int | None) -> list[str]:
+    """Every name a config entry may use for ``spec``: checkpoint, ``model.``, runtime and fused names."""
+    bases = [spec.name]
+    if spec.layer is not None and start_layer_id is not None:
+        bases.append(f"layers.{start_layer_id + spec.layer}.{spec.kind}")
+    for fused, members in FUSED_GROUPS.items():
+        if spec.kind in members:
+            bases += [b.removesuffix(spec.kind) + fused for b in bases]
+    if spec.kind == _KV_A_KIND:
+        bases.append("context_kv_proj")
+    return [*bases, *(f"model.{b}" for b in bases)]
+
+
+def _lenient(entry: str) -> tuple[str, str] | None:
+    """``(regex, rewrite)``: how an entry that matches nothing was meant, or None if it was meant literally."""
+    if entry.startswith("re:"):
+        pattern = entry.removeprefix("re:")
+        return None if pattern.startswith(("^", ".*")) else (f".*(?:{pattern}).*", f"re:.*{pattern}")
+    if _GLOB_CHARS & set(entry):
+        body = re.escape(entry).replace(r"\*", ".*").replace(r"\?", ".")
+        return fnmatch.translate(entry), f"re:{body}$"
+    rewrite = kind_regex(entry) if not entry.startswith(("layers.", "model.")) else rf"re:.*{re.escape(entry)}$"
+    return rf"(?:.*\.)?{re.escape(entry)}$", rewrite
+
+
+@dataclass
+class _Config:
+    """A parsed quantization_config: targets in group order with their format, and the ignore list."""
+
+    targets: list[tuple[str, str]]  # (entry, fmt)
+    ignore: list[str]
+
+    @classmethod
+    def parse(cls, quantization_config: Mapping[str, Any]) -> _Config:
+        try:
+            group_formats = formats.group_formats(dict(quantization_config))
+            qc = formats.parse_quantization_config(dict(quantization_config))
+        except ValueError as e:
+            raise QuantPlanError(f"quantization_config: {e}") from None
+        targets = [(t, group_formats[g]) for g, scheme in qc.config_groups.items() for t in scheme.targets]
+        return cls(targets, list(qc.ignore or []))
+
+    def plan(self, specs: list[ModuleSpec], start_layer_id: int | None,
+             lenient: Mapping[str, str]) -> dict[str, tuple[str | None, str | None]]:
+        """``{module: (fmt or None, the entry that decided it)}``; ``lenient`` maps entries to the regex read instead."""
+
+        def hits(entry: str, names: list[str], stand_in: torch.nn.Module) -> bool:
+            if entry in lenient:
+                return any(re.fullmatch(lenient[entry], n) for n in names)
+            return any(is_match(n, stand_in, entry) for n in names)
+
+        out = {}
+        for spec in specs:
+            names, stand_in = _names(spec, start_layer_id), _stand_in(spec.role)
+            target = next(((t, fmt) for t, fmt in self.targets if hits(t, names, stand_in)), None)
+            ignored = next((i for i in self.ignore if hits(i, names, stand_in)), None)
+            if ignored is not None:
+                out[spec.name] = (None, f"ignore {ignored!r}")
+            elif target is not None:
+                out[spec.name] = (target[1], f"target {target[0]!r}")
+            else:
+                out[spec.name] = (None, "no target matches it")
+        return out
+
+    def dead_entries(self, specs: list[ModuleSpec], start_layer_id: int | None) -> list[str]:
+        """Entries that match no module under compressed-tensors' rules, in config order."""
+        entries = dict.fromkeys([t for t, _ in self.targets] + self.ignore)
+        for spec in specs:
+            names, stand_in = _names(spec, start_layer_id), _stand_in(spec.role)
+            for entry in [e for e in entries if any(is_match(n, stand_in, e) for n in names)]:
+                del entries[entry]
+        return list(entries)
+
+
+def _disagreement(spec: ModuleSpec, stored: str | None, said: str | None, why: str) -> str:
+    if stored is None:
+        if spec.kind not in QUANTIZABLE_KINDS:
+            return (f"{spec.name}: quantization_config quantizes it as {said} ({why}), but {_why_unquantized(spec.kind)}"
+                    f", so it is stored BF16 and must stay so. Fix: add {spec.name!r} to quantization_config's ignore")
+        return (f"{spec.name} is stored BF16, but quantization_config quantizes it as {said} ({why}). Fix: add "
+                f"{spec.name!r} to its ignore list, or {_FIX_SHARDS}")
+    if said is None:
+        return (f"{spec.name} is stored as {stored}, but quantization_config leaves it unquantized ({why}). Fix: "
+                f"{_FIX_SHARDS}")
+    return f"{spec.name} is stored as {stored}, but quantization_config says {said} ({why}). Fix: {_FIX_SHARDS}"
+
+
+def resolve(config: K3DSparkConfig, quantization_config: Mapping[str, Any] | None,
+            dtypes: Mapping[str, str]) -> QuantPlan:
+    """The quantization plan of a checkpoint: ``dtypes`` is ``{tensor key: safetensors dtype}`` from its headers.
+
+    Raises :class:`QuantPlanError` when config and tensors conflict (see the module docstring).
+    """
+    specs = checkpoint_modules(config)
+    stray = tuple(sorted(k for k in dtypes if is_stray(k, config)))
+    stored = _stored_plan(specs, {k: v for k, v in dtypes.items() if k not in stray})
+    _check_storage(specs, stored)
+    known = {name: fmt for name, fmt in stored.items() if fmt != "?"}
+    quantized = {name: fmt for name, fmt in known.items() if fmt is not None}
+    if quantization_config is None:
+        if quantized:
+            name, fmt = next(iter(quantized.items()))
+            raise QuantPlanError(f"{name} is stored as {fmt} ({len(quantized)} quantized modules), but config.json has no "
+                                 f"quantization_config. Fix: {_FIX_SHARDS}")
+        return QuantPlan({}, stray=stray)
+
+    parsed = _Config.parse(quantization_config)
+    start = getattr(config, "target_num_hidden_layers", None)
+
+    def disagreements(lenient: Mapping[str, str]) -> list[str]:
+        said = parsed.plan(specs, start, lenient)
+        return [_disagreement(s, known[s.name], *said[s.name]) for s in specs
+                if s.name in known and said[s.name][0] != known[s.name]]
+
+    plan = {name: fmt for name, fmt in stored.items() if fmt not in (None, "?")}
+    strict = disagreements({})
+    if not strict:
+        return QuantPlan(plan, stray=stray)
+    readings = {e: r for e in parsed.dead_entries(specs, start) if (r := _lenient(e)) is not None}
+    if readings and not disagreements({e: regex for e, (regex, _) in readings.items()}):
+        names = [n for s in specs for n in _names(s, start)]
+        used = {e: rewrite for e, (regex, rewrite) in readings.items() if any(re.fullmatch(regex, n) for n in names)}
+        listed = ", ".join(f"{json.dumps(e)} -> {json.dumps(rewrite)}" for e, rewrite in used.items())
+        warning = (f"quantization_config has entries that match no module under compressed-tensors' rules (exact "
+                   f"module names or 're:' regexes); read as suffixes or globs they describe the stored tensors, so "
+                   f"the drafter is served as stored. Fix: rewrite them: {listed}")
+        return QuantPlan(plan, warning=warning, stray=stray)
+    more = f" (and {len(strict) - 1} more module(s))" if len(strict) > 1 else ""
+    first, _, fix = strict[0].partition(" Fix: ")
+    raise QuantPlanError(f"quantization_config and the stored tensors disagree: {first.rstrip('.')}{more}. Fix: {fix}")
+
+
+def declared(config: K3DSparkConfig, quantization_config: Mapping[str, Any]) -> dict[str, str]:
+    """``{module: fmt}`` that ``quantization_config`` alone quantizes, read strictly (what the tensors must hold)."""
+    said = _Config.parse(quantization_config).plan(checkpoint_modules(config),
+                                                   getattr(config, "target_num_hidden_layers", None), {})
+    return {name: fmt for name, (fmt, _) in said.items() if fmt is not None}
+
+
+def resolve_checkpoint(model_dir: str | Path) -> QuantPlan:
+    """:func:`resolve` for a drafter directory: its config.json and its shard headers."""
+    from vllm_dspark.checkpoint import checked_weight_map, load_config, read_config_json, stored_dtypes
+
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    return resolve(config, read_config_json(model_dir).get("quantization_config"),
+                   stored_dtypes(checked_weight_map(model_dir)))
+
+
+def vllm_quantization_config(plan: QuantPlan, config: K3DSparkConfig, *, start_layer_id: int,
+                             prefix: str = "model") -> dict[str, Any] | None:
+    """The compressed-tensors config vLLM serves ``plan`` with: the runtime names of the quantized modules.
+
+    One config group per format, exact runtime names (vLLM's fused layers match through their
+    shards with ``packed_modules_mapping``), no ignore list, no class targets. None if nothing is quantized.
+    """
+    if not plan.modules:
+        return None
+    targets: dict[str, list[str]] = {}
+    for spec in checkpoint_modules(config):
+        if spec.name in plan.modules:
+            targets.setdefault(plan.modules[spec.name], []).append(runtime_name(spec, start_layer_id, prefix))
+    return formats.compressed_tensors_config(targets, ignore=[])
