@@ -184,7 +184,7 @@ def test_refuses_a_corrupt_shard(drafters, tmp_path, capsys) -> None:
 def test_refuses_an_already_quantized_checkpoint(quantized, tmp_path, capsys) -> None:
     err = _refused(capsys, ["--model_dir", str(quantized["tiny", "fp8"]), "--output_dir", str(tmp_path / "again"),
                             "--quant_format", "nvfp4"])
-    assert "is already quantized (config.json has a fp8 quantization_config)" in err
+    assert "is already quantized (11 modules stored as fp8, per its quantization_config and tensors)" in err
 
     # Quantized tensors under a config that lost its quantization_config are caught too.
     model_dir, _ = _copy(quantized["tiny", "fp8"], tmp_path)
@@ -192,7 +192,8 @@ def test_refuses_an_already_quantized_checkpoint(quantized, tmp_path, capsys) ->
     del config["quantization_config"]
     (model_dir / "config.json").write_text(json.dumps(config))
     err = _refused(capsys, ["--model_dir", str(model_dir), "--output_dir", str(tmp_path / "again"), "--quant_format", "fp8"])
-    assert "holds already-quantized tensors" in err
+    assert "is not a BF16 checkpoint: context_proj is stored as fp8 (11 quantized modules), but config.json has no " \
+        "quantization_config" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

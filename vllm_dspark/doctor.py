@@ -11,7 +11,9 @@ The checks are pure functions of plain data (the speculative-config dict, the dr
 target's ``config.json`` dicts, :class:`EngineFacts`, :class:`MachineFacts`, :class:`VllmSchema`),
 so they run the same way in tests, in the CLI (which gathers the facts from this machine and the
 files) and in the hook that :func:`install_speculative_config_hook` puts on vLLM's
-``EngineArgs.create_speculative_config``.
+``EngineArgs.create_speculative_config``. Both also run ``vllm-dspark check`` on a local drafter,
+so a checkpoint whose quantization_config conflicts with its tensors is refused before the target
+loads, with the message the loader would give.
 """
 
 from __future__ import annotations
@@ -572,14 +574,16 @@ def load_drafter(spec: Mapping[str, Any]) -> tuple[Path | None, dict[str, Any] |
 
 
 def check_checkpoint_findings(path: Path) -> list[Finding]:
-    """The checkpoint checker's problems as errors."""
+    """The checkpoint checker's problems as errors and its warnings (quantization plan, stray tensors) as warnings."""
     from vllm_dspark.check import check_checkpoint
 
+    report = check_checkpoint(path)
     findings = []
-    for text in check_checkpoint(path).problems:
-        problem, _, fix = text.partition(" Fix: ")
-        fix = fix.rstrip(".") or f"vllm-dspark check {path}"
-        findings.append(Finding("error", "checkpoint", problem.rstrip("."), fix))
+    for severity, texts in (("error", report.problems), ("warning", report.warnings)):
+        for text in texts:
+            problem, _, fix = text.partition(" Fix: ")
+            fix = fix.rstrip(".") or f"vllm-dspark check {path}"
+            findings.append(Finding(severity, "checkpoint", problem.rstrip("."), fix))
     return findings
 
 
@@ -641,17 +645,18 @@ def _merged_spec(engine_args: Any) -> dict[str, Any] | None:
     return {k.replace("-", "_"): v for k, v in spec.items()} or None
 
 
-def _local_drafter_config(spec: Mapping[str, Any]) -> dict[str, Any] | None:
+def _local_drafter(spec: Mapping[str, Any]) -> tuple[Path | None, dict[str, Any] | None]:
+    """The drafter's local directory and config.json, when both are on this machine."""
     model = spec.get("model")
     if not isinstance(model, str):
-        return None
+        return None, None
     path = resolve_drafter(model, spec.get("revision"))
     if path is None or not (path / "config.json").is_file():
-        return None
+        return None, None
     try:
-        return _read_json(path / "config.json")
+        return path, _read_json(path / "config.json")
     except json.JSONDecodeError:
-        return None  # vLLM's own config loading reports it
+        return None, None  # vLLM's own config loading reports it
 
 
 def enforce(findings: Sequence[Finding], log: Any) -> None:
@@ -696,29 +701,32 @@ def install_speculative_config_hook() -> None:
         if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "off"):
             return original(self, target_model_config, target_parallel_config)
         spec = _merged_spec(self)
-        drafter = _local_drafter_config(spec) if spec else None
+        path, drafter = _local_drafter(spec) if spec else (None, None)
         if spec and is_k3_drafter(drafter):
-            _run_hook_checks(self, spec, drafter, target_model_config)  # before vLLM loads the draft config
+            _run_hook_checks(self, spec, drafter, path, target_model_config)  # before vLLM loads the draft config
         result = original(self, target_model_config, target_parallel_config)
         draft_model_config = getattr(result, "draft_model_config", None)
         if spec and drafter is None and draft_model_config is not None:
             # A drafter that is not on local disk yet (vLLM just fetched its config): check it now.
             resolved = draft_model_config.hf_config.to_dict()
             if is_k3_drafter(resolved):
-                _run_hook_checks(self, spec, resolved, target_model_config)
+                _run_hook_checks(self, spec, resolved, None, target_model_config)
         return result
 
     create_speculative_config._vllm_dspark_doctor = True  # type: ignore[attr-defined]
     cls.create_speculative_config = create_speculative_config
 
 
-def _run_hook_checks(engine_args: Any, spec: Mapping[str, Any], drafter: Mapping[str, Any],
+def _run_hook_checks(engine_args: Any, spec: Mapping[str, Any], drafter: Mapping[str, Any], path: Path | None,
                      target_model_config: Any) -> None:
     from vllm.logger import init_logger
 
     target = target_model_config.hf_text_config.to_dict() if target_model_config is not None else None
     findings = diagnose(spec, drafter=drafter, engine=_engine_facts(engine_args), machine=_serving_machine(),
                         target=target, schema=vllm_schema())
+    if path is not None and not check_drafter_config(drafter):
+        # The checkpoint itself (shards, quantization plan, tensors) from headers and scales only.
+        findings += check_checkpoint_findings(path)
     enforce(findings, init_logger("vllm.vllm_dspark"))
 
 

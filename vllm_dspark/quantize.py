@@ -55,10 +55,10 @@ from vllm_dspark.checkpoint import (
     validate_tensor_shapes,
 )
 from vllm_dspark.layout import FP8_RECIPE, QUANTIZABLE_KINDS, ModuleSpec, checkpoint_modules, fused_module_groups
+from vllm_dspark.quant_plan import QuantPlanError, resolve
 
 REPORT_NAME = "quantization_report"
 TARGET_DIR = "target"
-_UNQUANTIZED_DTYPES = ("BF16", "F16", "F32")
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -190,22 +190,18 @@ def _ordered_map(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> I
 def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
     """Validate the request against the checkpoint, before anything is written."""
     raw = read_config_json(model_dir)
-    if raw.get("quantization_config") is not None:
-        found = raw["quantization_config"]
-        try:
-            found = formats.format_of(found)
-        except ValueError:
-            found = found.get("format", "unknown")
-        raise Refusal(f"{model_dir} is already quantized (config.json has a {found} quantization_config). "
-                      "Quantize the BF16 checkpoint instead; quantizing twice compounds the error.")
     config = load_config(model_dir)
-    kinds = formats.validate_include_kinds(include_layers, fmt, config)
     stored = stored_tensors(model_dir)
-    quantized_already = sorted(k for k, t in stored.items() if t.dtype not in _UNQUANTIZED_DTYPES)
-    if quantized_already:
-        raise Refusal(f"{model_dir} holds already-quantized tensors ({', '.join(quantized_already[:4])}"
-                      f"{', ...' if len(quantized_already) > 4 else ''} are {stored[quantized_already[0]].dtype}). "
-                      "Quantize the BF16 checkpoint instead.")
+    try:
+        quantized = resolve(config, raw.get("quantization_config"), {k: t.dtype for k, t in stored.items()}).modules
+    except QuantPlanError as e:
+        raise Refusal(f"{model_dir} is not a BF16 checkpoint: {e}") from None
+    if quantized or raw.get("quantization_config") is not None:
+        found = ", ".join(sorted(set(quantized.values()))) or "no-op"
+        raise Refusal(f"{model_dir} is already quantized ({len(quantized)} modules stored as {found}, per its "
+                      "quantization_config and tensors). Quantize the BF16 checkpoint instead; quantizing twice "
+                      "compounds the error.")
+    kinds = formats.validate_include_kinds(include_layers, fmt, config)
     validate_tensor_shapes({k: t.shape for k, t in stored.items()}, expected_tensor_shapes(config),
                            source=f"checkpoint {model_dir}", config=config)
     items = []
