@@ -125,13 +125,14 @@ def test_safetensors_writer_round_trips_every_dtype(tmp_path: Path) -> None:
 
 def test_fp8_checkpoint_is_dequantized_once_at_load(tiny_checkpoint: Path, tmp_path: Path) -> None:
     formats = pytest.importorskip("vllm_dspark.formats")
+    from vllm_dspark.quant_plan import declared
+
     config = load_config(tiny_checkpoint)
     tensors = tensors_of(tiny_checkpoint)
     kinds = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj", "self_attn.q_b_proj", "context_proj")
     config_json = read_config_json(tiny_checkpoint)
     config_json["quantization_config"] = formats.quantization_config("fp8", kinds, config)
-    modules = [k[: -len(".weight")] for k in tensors]
-    quantized_names = formats.quantized_modules(config_json["quantization_config"], modules)
+    quantized_names = declared(config, config_json["quantization_config"])
     assert len(quantized_names) == 5 * config.num_hidden_layers + 1  # 5 per layer + context_proj
 
     def stored():
@@ -162,16 +163,16 @@ def test_fp8_checkpoint_is_dequantized_once_at_load(tiny_checkpoint: Path, tmp_p
     unlabelled = tmp_path / "fp8_without_quantization_config"
     shutil.copytree(tmp_path / "fp8", unlabelled)
     shutil.copy(tiny_checkpoint / "config.json", unlabelled / "config.json")
-    with pytest.raises(ValueError, match=r"unexpected tensor 'context_proj.weight_scale'(.|\n)*the shards hold "
-                                         r"quantized tensors .* that config.json's quantization_config "
-                                         r"does not describe"):
+    with pytest.raises(ValueError, match=r"context_proj is stored as fp8 \(11 quantized modules\), but config.json "
+                                         r"has no quantization_config. Fix: use the config.json written with these "
+                                         r"shards"):
         load_drafter_state_dict(unlabelled)
     bf16_dir = tmp_path / "bf16_with_fp8_config"
     shutil.copytree(tiny_checkpoint, bf16_dir)
     shutil.copy(tmp_path / "fp8" / "config.json", bf16_dir / "config.json")
-    with pytest.raises(ValueError, match=r"config.json and the shards of .* disagree: the quantization_config "
-                                         r"quantizes context_proj as fp8, but the shards store "
-                                         r"context_proj.weight as BF16"):
+    with pytest.raises(ValueError, match=r"quantization_config and the stored tensors disagree: context_proj is stored "
+                                         r"BF16, but quantization_config quantizes it as fp8 .* \(and 10 more "
+                                         r"module\(s\)\)"):
         load_drafter_state_dict(bf16_dir)
 
     # A per-tensor scale where the recipe stores one per output channel: named, with both shapes.

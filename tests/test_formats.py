@@ -14,6 +14,7 @@ from vllm_dspark import formats
 from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules, fused_module_groups
 from vllm_dspark.make_random import random_tensor
 from vllm_dspark.presets import preset_config
+from vllm_dspark.quant_plan import declared
 
 PACKED_MODULES_MAPPING = {"gate_up_proj": ["gate_proj", "up_proj"], "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]}
 
@@ -106,10 +107,9 @@ def test_k3_fp8_recipe_matches_the_published_build() -> None:
     config = preset_config("k3")
     specs = checkpoint_modules(config)
     qc = formats.quantization_config("fp8", FP8_RECIPE, config)
-    match = formats.match_modules(qc, [s.name for s in specs])
-    assert not match.problems and not match.unmatched
-    assert len(match.ignored) == 41  # the model card's count: 7 per layer x 5 + 6 global modules
-    params = sum(math.prod(s.shape) for s in specs if s.name in match.quantized)
+    quantized = declared(config, qc)
+    assert len(specs) - len(quantized) == 41  # the model card's ignore count: 7 per layer x 5 + 6 global modules
+    params = sum(math.prod(s.shape) for s in specs if s.name in quantized)
     total = sum(math.prod(s.shape) + (s.shape[0] if s.bias else 0) for s in specs)
     assert round(params / 1e9, 2) == 2.19 and round(total / 1e9, 2) == 3.56
     assert len(qc["config_groups"]) == 1 and len(qc["ignore"]) == 13  # index-agnostic: one pattern per kind
@@ -135,30 +135,6 @@ def test_format_of_accepts_float_quantized_fp8_and_refuses_pack_quantized() -> N
     qc["format"] = qc["config_groups"]["group_0"]["format"] = "pack-quantized"
     with pytest.raises(ValueError, match="vLLM loads fp8 only as naive-quantized or float-quantized"):
         formats.format_of(qc)
-
-
-def test_quantized_modules_follows_compressed_tensors_matching() -> None:
-    config = preset_config("tiny")
-    names = [s.name for s in checkpoint_modules(config)]
-    qc = formats.quantization_config("mxfp4", ["mlp.down_proj", "context_proj"], config)
-    assert formats.quantized_modules(qc, names) == {
-        "context_proj": "mxfp4", "layers.0.mlp.down_proj": "mxfp4", "layers.1.mlp.down_proj": "mxfp4"}
-    # vLLM's runtime names match the same index-agnostic patterns.
-    assert formats.quantized_modules(qc, ["model.layers.96.mlp.down_proj", "model.context_proj"]) == {
-        "model.layers.96.mlp.down_proj": "mxfp4", "model.context_proj": "mxfp4"}
-
-    overlap = dict(qc, ignore=[*qc["ignore"], "layers.1.mlp.down_proj"])
-    with pytest.raises(ValueError, match=r"both targeted and ignored: layers\.1\.mlp\.down_proj"):
-        formats.quantized_modules(overlap, names)
-
-    glob = dict(qc, ignore=["markov_head*"])
-    with pytest.raises(ValueError, match=r"'markov_head\*' is a shell glob.*write 're:\.\*markov_head\.\*'"):
-        formats.quantized_modules(glob, names)
-
-    by_class = json.loads(json.dumps(qc))
-    by_class["config_groups"]["group_0"]["targets"] = ["Linear"]
-    with pytest.raises(ValueError, match="'Linear' is a module-class name"):
-        formats.quantized_modules(by_class, names)
 
 
 @pytest.mark.parametrize(("kinds", "message"), [

@@ -13,8 +13,10 @@ from safetensors import safe_open
 
 from vllm_dspark import formats
 from vllm_dspark.check import check_checkpoint
+from vllm_dspark.checkpoint import load_config
 from vllm_dspark.layout import FP8_RECIPE, QUANTIZABLE_KINDS
 from vllm_dspark.make_random import make_random
+from vllm_dspark.quant_plan import declared
 from vllm_dspark.quantize import REPORT_NAME, main, quantize_checkpoint
 
 
@@ -62,7 +64,7 @@ def test_each_format_round_trips_with_snr_in_the_report(drafters, quantized, pre
         assert f"| {report['modules'][0]['module']} |" in (out_dir / f"{REPORT_NAME}.md").read_text()
         written = _tensors(out_dir)
         qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
-        modules = formats.quantized_modules(qc, [k.removesuffix(".weight") for k in source if k.endswith(".weight")])
+        modules = declared(load_config(out_dir), qc)
         assert len(modules) == len(report["modules"]) == report["overall"]["modules_quantized"]
         for row in report["modules"]:
             name = row["module"]
