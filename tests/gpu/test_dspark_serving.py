@@ -3,7 +3,7 @@
 
 GPU only (vLLM runs ``dspark`` in its V2 GPU model runner): skipped without CUDA. It checks what the
 CPU tests cannot: the Kimi-K3 MLA draft layers on a real MLA backend, their KV pages in the
-target's cache, FP8 Marlin linears, the speculator's Markov loop, and lossless verification.
+target's cache, FP8 weight-only linears, the speculator's Markov loop, and lossless verification.
 
 The target is a random 8-layer DeepSeek-V3 (dense MLP, MLA with the Kimi-K3 latent: kv_lora_rank
 512 + rope 64 = 576), written by transformers; the drafter is random too, in this project's on-disk
@@ -154,12 +154,14 @@ def _describe_drafter(worker) -> dict:
         s = layers[name].get_kv_cache_spec(runner.vllm_config)
         return type(s).__name__, s.head_size, s.page_size_bytes, getattr(s, "non_causal_multi_token_decode", None)
 
+    from vllm.model_executor.layers.linear import LinearBase
+
     quant = {}
     for name, module in drafter.named_modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(module, "input_size"):
+        # Linears only: the shared embed_tokens and lm_head and markov_w2 are embeddings.
+        if isinstance(module, LinearBase):
             scheme = getattr(module, "scheme", None)
-            quant[name] = type(scheme).__name__ if scheme is not None else type(method).__name__
+            quant[name] = type(scheme).__name__ if scheme is not None else type(module.quant_method).__name__
     shared = next((g for g in groups if set(draft_layers) <= set(g)), [])
     target_layers = [name for name in shared if name not in draft_layers]
     return {"class": type(drafter).__name__, "draft_layers": draft_layers, "groups": groups, "quant": quant,
