@@ -154,6 +154,29 @@ def _log_linear_kernels(model: nn.Module) -> None:
                     "; ".join(f"{kernel}: {', '.join(names)}" for kernel, names in by_kernel.items()))
 
 
+# vLLM's in-tree K3 drafter's context-KV path: one grouped rms_norm, one rotary_embedding and one
+# concat_and_cache_mla_grouped for all layers (~7 launches instead of ~25 per step). On CUDA the
+# draft layers are vLLM's own MLA, so that code runs on this model unchanged.
+_UPSTREAM_CONTEXT_KV = (
+    "precompute_and_store_context_kv",
+    "_build_fused_context_kv_metadata",
+    "_precompute_fused_context_kv",
+    "_has_uniform_block_layout",
+    "_get_context_kv_cache_ptrs",
+)
+
+
+def _use_upstream_context_kv(model: nn.Module, vllm_config: VllmConfig) -> None:
+    """Bind vLLM's in-tree context-KV methods to ``model`` (CUDA only: they call CUDA kernels)."""
+    import types
+
+    from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkModel as Upstream
+
+    model._max_num_context_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    for name in _UPSTREAM_CONTEXT_KV:
+        setattr(model, name, types.MethodType(getattr(Upstream, name), model))
+
+
 def _grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """vLLM's RMSNorm math (fp32 statistics) for ``x [T, L, D]`` with one weight row per layer ``[L, D]``."""
     xf = x.float()
@@ -285,6 +308,8 @@ class K3DSparkModel(nn.Module):
             )
         # Every layer's kv_a_layernorm weight, stacked after loading by stack_context_kv_norms.
         self.register_buffer("_context_kv_norm_weight", None, persistent=False)
+        if current_platform.is_cuda():
+            _use_upstream_context_kv(self, vllm_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None, "the target's embedding is shared after loading"
@@ -306,7 +331,7 @@ class K3DSparkModel(nn.Module):
         context_positions: torch.Tensor,
         context_slot_mapping: torch.Tensor | list[torch.Tensor | None] | None = None,
     ) -> None:
-        """Write every layer's latent for the context tokens into its KV pages.
+        """Write every layer's latent for the context tokens into its KV pages, in torch (CUDA runs vLLM's).
 
         ``context_states [T, H]`` (from :meth:`combine_hidden_states`) skip the layers' input norm
         and query path: per layer, ``kv_a_proj_with_mqa`` -> ``kv_a_layernorm`` on the latent and
@@ -488,8 +513,11 @@ class K3DSparkForCausalLM(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         # Runs after every layer's own post-load step; norms keep their weights (only linears are
-        # repacked), so the context path can stack them now.
-        self.model.stack_context_kv_norms()
+        # repacked), so the context path can stack them now, outside any CUDA-graph capture.
+        if current_platform.is_cuda():
+            self.model._build_fused_context_kv_metadata()
+        else:
+            self.model.stack_context_kv_norms()
         _log_linear_kernels(self)
 
 
