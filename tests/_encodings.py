@@ -16,7 +16,8 @@ from pathlib import Path
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.layout import checkpoint_modules, kind_regex
 
-Encoding = Callable[[dict, list[str]], tuple[list[str], list[str]]]  # (config.json, quantized kinds) -> (targets, ignore)
+# (config.json, quantized kinds) -> (targets, ignore)
+Encoding = Callable[[dict, list[str]], tuple[list[str], list[str]]]
 
 
 def _specs(config: dict):

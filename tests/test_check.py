@@ -89,9 +89,9 @@ def test_ignore_wins_over_targets_as_compressed_tensors_defines(checkpoints, tmp
     model_dir = _broken(checkpoints, "fp8", tmp_path)
     _edit_config(model_dir, lambda c: c["quantization_config"]["ignore"].append("re:.*mlp\\.down_proj$"))
     problems = _problems(model_dir, capsys)
-    assert problems.startswith("quantization_config and the stored tensors disagree: layers.0.mlp.down_proj is stored "
-                               "as fp8, but quantization_config leaves it unquantized (ignore 're:.*mlp\\\\.down_proj$')"
-                               " (and 1 more module(s))")
+    assert problems.startswith("quantization_config and the stored tensors disagree: layers.0.mlp.down_proj is "
+                               "stored as fp8, but quantization_config leaves it unquantized (ignore "
+                               "'re:.*mlp\\\\.down_proj$') (and 1 more module(s))")
 
 
 def test_a_glob_target_is_served_with_its_rewrite(checkpoints, tmp_path, capsys) -> None:

@@ -38,12 +38,13 @@ from tqdm import tqdm
 
 import vllm_dspark.drift as drift_pkg
 from vllm_dspark import formats
-from vllm_dspark.checkpoint import load_drafter_state_dict, load_target_heads, read_config_json
+from vllm_dspark.checkpoint import load_drafter_state_dict, load_target_heads
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.drift import corpus as corpus_mod
 from vllm_dspark.drift import metrics
 from vllm_dspark.drift.regimes import HEAVY_SIGMA, REGIMES, boot_aux, synthetic_aux
 from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules, fused_module_groups, tensor_shapes
+from vllm_dspark.quant_plan import resolve_checkpoint
 from vllm_dspark.reference import ReferenceDrafter
 from vllm_dspark.sampling import markov_rollout
 from vllm_dspark.version import __version__
@@ -152,7 +153,7 @@ class Heads:
 
 def load_reference(spec: EvalSpec) -> tuple[K3DSparkConfig, ReferenceDrafter, Heads]:
     """The FP32 reference, refusing a quantized ``--model`` (it would not be a reference)."""
-    if "quantization_config" in read_config_json(spec.model):
+    if resolve_checkpoint(spec.model).modules:
         raise ValueError(f"{spec.model} is quantized; --model must be the unquantized drafter the reference is built "
                          "from. Pass quantized checkpoints as --variants.")
     config, state_dict = load_drafter_state_dict(spec.model, dtype=None)
@@ -204,8 +205,8 @@ def load_variant(name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads
         state_dict.pop("embed_tokens.weight", None)
         if tensor_shapes(variant_config) != tensor_shapes(config):
             raise ValueError(f"variant {name} is not a build of {spec.model}: its config implies different shapes")
-        raw = read_config_json(name)
-        source = f"checkpoint {name} ({'quantized' if 'quantization_config' in raw else 'unquantized'}), in BF16"
+        stored = sorted(set(resolve_checkpoint(name).modules.values()))
+        source = f"checkpoint {name} ({'quantized: ' + ', '.join(stored) if stored else 'unquantized'}), in BF16"
     else:
         raise ValueError(f"unknown variant {name!r}: use one of {', '.join(BUILTIN_VARIANTS)} "
                          "or a checkpoint directory")
