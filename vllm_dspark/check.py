@@ -31,8 +31,6 @@ from vllm_dspark import formats, quant_plan
 from vllm_dspark.checkpoint import SAFETENSORS_DTYPES, checked_weight_map, load_config, read_config_json
 from vllm_dspark.layout import ModuleSpec, checkpoint_modules, fused_module_groups
 
-# Unquantized tensors may be stored in any of these (the published drafter is BF16).
-_FLOAT_DTYPES = ("BF16", "F16", "F32")
 _REQUANTIZE = "re-quantize the BF16 checkpoint with `vllm-dspark quantize`"
 
 
@@ -139,9 +137,10 @@ def _tensor_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored:
             if got.shape != tuple(shape):
                 problems.append(f"{key}: shape {got.shape}, but {what} needs {tuple(shape)}. Fix: use the "
                                 "config.json written with these shards, or re-export them")
-            ok_dtypes = _FLOAT_DTYPES if want is None else [SAFETENSORS_DTYPES[d] for d in (want.dtype, *want.also)]
+            ok_dtypes = (quant_plan.FLOAT_DTYPES if want is None
+                         else [SAFETENSORS_DTYPES[d] for d in (want.dtype, *want.also)])
             if got.dtype not in ok_dtypes:
-                fix = _REQUANTIZE if fmt or got.dtype not in _FLOAT_DTYPES else "store it in BF16"
+                fix = _REQUANTIZE if fmt or got.dtype not in quant_plan.FLOAT_DTYPES else "store it in BF16"
                 problems.append(f"{key}: dtype {got.dtype}, but {what} stores it as {' or '.join(ok_dtypes)}. "
                                 f"Fix: {fix}")
     for key in sorted(set(stored) - expected_keys - set(stray)):

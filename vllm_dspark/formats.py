@@ -45,6 +45,7 @@ from vllm_dspark.layout import (
     checkpoint_modules,
     kind_regex,
     validate_fused_decision,
+    why_unquantized,
 )
 
 if TYPE_CHECKING:
@@ -249,16 +250,6 @@ def weight_snr_db(weight: torch.Tensor, tensors: dict[str, torch.Tensor], fmt: s
 
 # --- quantization_config --------------------------------------------------------------------
 
-def _why_not_quantizable(kind: str) -> str:
-    if kind == "markov_head.markov_w2":
-        return "the Markov head's bias reaches every drafted token's logits, and vLLM builds it without a quant config"
-    if kind == "confidence_head.proj":
-        return "the confidence head runs in fp32 and decides draft lengths"
-    if kind in ("embed_tokens", "markov_head.markov_w1"):
-        return "an embedding table (a row lookup, not a matmul)"
-    return "a norm (tiny, and it sets the scale of everything after it)"
-
-
 def validate_include_kinds(include_kinds: Sequence[str], fmt: str, config: "K3DSparkConfig") -> tuple[str, ...]:
     """The included kinds in checkpoint order; ``ValueError`` naming the fix for any bad choice."""
     _check_format(fmt)
@@ -274,7 +265,7 @@ def validate_include_kinds(include_kinds: Sequence[str], fmt: str, config: "K3DS
     specs = {s.kind: s for s in checkpoint_modules(config)}
     refused = [k for k in kinds if k not in QUANTIZABLE_KINDS]
     if refused:
-        reasons = "; ".join(f"{k!r} is {_why_not_quantizable(k)}" for k in refused)
+        reasons = "; ".join(f"{k!r}: {why_unquantized(k)}" for k in refused)
         raise ValueError(
             f"{', '.join(map(repr, refused))} cannot be quantized (they stay bit-identical BF16): {reasons}. "
             f"Quantizable layers: {' '.join(QUANTIZABLE_KINDS)}"

@@ -64,6 +64,18 @@ QUANTIZABLE_KINDS: tuple[str, ...] = (
     "mlp.down_proj",
 )
 
+
+def why_unquantized(kind: str) -> str:
+    """Why a kind outside :data:`QUANTIZABLE_KINDS` stays BF16, as a clause."""
+    if kind == "markov_head.markov_w2":
+        return "the Markov head's bias reaches every drafted token's logits, and vLLM builds it without a quant config"
+    if kind == "confidence_head.proj":
+        return "the confidence head runs in fp32 and decides draft lengths"
+    if kind in ("embed_tokens", "markov_head.markov_w1"):
+        return "it is an embedding table (a row lookup, not a matmul)"
+    return "it is a norm (tiny, and it sets the scale of everything after it)"
+
+
 # vLLM fuses these checkpoint modules into one runtime layer, so each group must share one
 # quantization decision (and, for NVFP4, one global scale).
 FUSED_GROUPS: dict[str, tuple[str, ...]] = {

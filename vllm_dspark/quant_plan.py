@@ -45,15 +45,26 @@ from vllm_dspark.layout import (
     fused_module_groups,
     kind_regex,
     runtime_name,
+    why_unquantized,
 )
 
 if TYPE_CHECKING:
     from vllm_dspark.config import K3DSparkConfig
 
-__all__ = ["QuantPlan", "QuantPlanError", "declared", "is_stray", "resolve", "resolve_checkpoint", "vllm_quantization_config"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "QuantPlan",
+    "QuantPlanError",
+    "declared",
+    "is_stray",
+    "resolve",
+    "resolve_checkpoint",
+    "vllm_quantization_config",
+]
 
-_FIX_SHARDS = "use the config.json written with these shards, or re-quantize the BF16 checkpoint with `vllm-dspark quantize`"
-_FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
+_FIX_SHARDS = ("use the config.json written with these shards, or re-quantize the BF16 checkpoint with "
+               "`vllm-dspark quantize`")
+FLOAT_DTYPES = ("BF16", "F16", "F32")  # what an unquantized tensor may be stored in (the published drafter: BF16)
 _GLOB_CHARS = frozenset("*?[")
 _KV_A_KIND = "self_attn.kv_a_proj_with_mqa"
 
@@ -97,7 +108,7 @@ def _stored_format(dtypes: Mapping[str, str]) -> str | None:
     weight = dtypes.get("weight")
     if weight == "F8_E4M3":
         return "fp8"
-    return None if weight in _FLOAT_DTYPES else "?"
+    return None if weight in FLOAT_DTYPES else "?"
 
 
 def _stored_plan(specs: list[ModuleSpec], dtypes: Mapping[str, str]) -> dict[str, str | None]:
@@ -108,31 +119,20 @@ def _stored_plan(specs: list[ModuleSpec], dtypes: Mapping[str, str]) -> dict[str
     return {s.name: _stored_format(by_module.get(s.name, {})) for s in specs}
 
 
-def _why_unquantized(kind: str) -> str:
-    if kind == "markov_head.markov_w2":
-        return "the Markov head's bias reaches every drafted token's logits"
-    if kind == "confidence_head.proj":
-        return "the confidence head runs in fp32 and decides draft lengths"
-    if kind in ("embed_tokens", "markov_head.markov_w1"):
-        return "it is an embedding table (a row lookup, not a matmul)"
-    if kind in QUANTIZABLE_KINDS:
-        return ""
-    return "it is a norm"
-
-
 def _check_storage(specs: list[ModuleSpec], stored: dict[str, str | None]) -> None:
     """Refuse tensors that no config could make servable: quantized non-linears, split fused layers."""
     for spec in specs:
         fmt = stored[spec.name]
         if fmt not in (None, "?") and spec.kind not in QUANTIZABLE_KINDS:
-            raise QuantPlanError(f"{spec.name} is stored as {fmt}, but {_why_unquantized(spec.kind)}, so the drafter "
+            raise QuantPlanError(f"{spec.name} is stored as {fmt}, but {why_unquantized(spec.kind)}, so the drafter "
                                  f"runs it unquantized. Fix: re-quantize the BF16 checkpoint with `vllm-dspark "
                                  "quantize`, which keeps it BF16")
     for fused, members in fused_module_groups(s.name for s in specs).items():
         found = {m: stored[m] for m in members if stored[m] != "?"}
         if len(set(found.values())) > 1:
             split = ", ".join(f"{m} as {f or 'BF16'}" for m, f in found.items())
-            why = (" (context_kv_proj stacks every layer's kv_a_proj_with_mqa)" if fused.startswith("self_attn.") else "")
+            stacked = fused.startswith("self_attn.")
+            why = " (context_kv_proj stacks every layer's kv_a_proj_with_mqa)" if stacked else ""
             raise QuantPlanError(f"{fused}: the shards store {split}, but vLLM fuses them into one layer, which takes "
                                  f"one scheme{why}. Fix: re-quantize the BF16 checkpoint with `vllm-dspark quantize`, "
                                  "which quantizes all of them or none")
@@ -199,7 +199,7 @@ class _Config:
 
     def plan(self, specs: list[ModuleSpec], start_layer_id: int | None,
              lenient: Mapping[str, str]) -> dict[str, tuple[str | None, str | None]]:
-        """``{module: (fmt or None, the entry that decided it)}``; ``lenient`` maps entries to the regex read instead."""
+        """``{module: (fmt or None, why)}``; ``lenient`` maps entries to the regex read in their place."""
 
         def hits(entry: str, names: list[str], stand_in: torch.nn.Module) -> bool:
             if entry in lenient:
@@ -232,7 +232,7 @@ class _Config:
 def _disagreement(spec: ModuleSpec, stored: str | None, said: str | None, why: str) -> str:
     if stored is None:
         if spec.kind not in QUANTIZABLE_KINDS:
-            return (f"{spec.name}: quantization_config quantizes it as {said} ({why}), but {_why_unquantized(spec.kind)}"
+            return (f"{spec.name}: quantization_config quantizes it as {said} ({why}), but {why_unquantized(spec.kind)}"
                     f", so it is stored BF16 and must stay so. Fix: add {spec.name!r} to quantization_config's ignore")
         return (f"{spec.name} is stored BF16, but quantization_config quantizes it as {said} ({why}). Fix: add "
                 f"{spec.name!r} to its ignore list, or {_FIX_SHARDS}")
@@ -257,8 +257,8 @@ def resolve(config: K3DSparkConfig, quantization_config: Mapping[str, Any] | Non
     if quantization_config is None:
         if quantized:
             name, fmt = next(iter(quantized.items()))
-            raise QuantPlanError(f"{name} is stored as {fmt} ({len(quantized)} quantized modules), but config.json has no "
-                                 f"quantization_config. Fix: {_FIX_SHARDS}")
+            raise QuantPlanError(f"{name} is stored as {fmt} ({len(quantized)} quantized modules), but config.json has "
+                                 f"no quantization_config. Fix: {_FIX_SHARDS}")
         return QuantPlan({}, stray=stray)
 
     parsed = _Config.parse(quantization_config)
@@ -269,10 +269,9 @@ def resolve(config: K3DSparkConfig, quantization_config: Mapping[str, Any] | Non
         return [_disagreement(s, known[s.name], *said[s.name]) for s in specs
                 if s.name in known and said[s.name][0] != known[s.name]]
 
-    plan = {name: fmt for name, fmt in stored.items() if fmt not in (None, "?")}
     strict = disagreements({})
     if not strict:
-        return QuantPlan(plan, stray=stray)
+        return QuantPlan(quantized, stray=stray)
     readings = {e: r for e in parsed.dead_entries(specs, start) if (r := _lenient(e)) is not None}
     if readings and not disagreements({e: regex for e, (regex, _) in readings.items()}):
         names = [n for s in specs for n in _names(s, start)]
@@ -281,7 +280,7 @@ def resolve(config: K3DSparkConfig, quantization_config: Mapping[str, Any] | Non
         warning = (f"quantization_config has entries that match no module under compressed-tensors' rules (exact "
                    f"module names or 're:' regexes); read as suffixes or globs they describe the stored tensors, so "
                    f"the drafter is served as stored. Fix: rewrite them: {listed}")
-        return QuantPlan(plan, warning=warning, stray=stray)
+        return QuantPlan(quantized, warning=warning, stray=stray)
     more = f" (and {len(strict) - 1} more module(s))" if len(strict) > 1 else ""
     first, _, fix = strict[0].partition(" Fix: ")
     raise QuantPlanError(f"quantization_config and the stored tensors disagree: {first.rstrip('.')}{more}. Fix: {fix}")
