@@ -129,7 +129,8 @@ def test_serve_time_hook_refuses_a_conflicting_build_before_the_target_loads(enc
 
     model_dir = encodings("fp8", "quantizes-bf16")
     args = EngineArgs(model=str(tiny_mla_target), skip_tokenizer_init=True, max_model_len=256,
-                      speculative_config={"method": "dspark", "model": str(model_dir), "attention_backend": "TRITON_MLA"})
+                      speculative_config={"method": "dspark", "model": str(model_dir),
+                                          "attention_backend": "TRITON_MLA"})
     with pytest.raises(ValueError, match="vllm_dspark doctor") as e:
         args.create_speculative_config(args.create_model_config(), ParallelConfig())
     assert check_checkpoint(model_dir).problems[0].partition(" Fix: ")[0].rstrip(".") in str(e.value)
@@ -222,7 +223,8 @@ def test_the_quantizers_own_encoding_is_served_as_is(tiny_fp8) -> None:
     (r"re:mlp\.down_proj$", r"re:.*mlp\.down_proj$"),
     ("down_proj", r"re:(.*\.)?down_proj$"),
 ])
-def test_globs_unanchored_regexes_and_suffixes_are_served_with_their_rewrite(tiny_fp8, entry: str, rewrite: str) -> None:
+def test_globs_unanchored_regexes_and_suffixes_are_served_with_their_rewrite(tiny_fp8, entry: str,
+                                                                             rewrite: str) -> None:
     config, qc, recipe = tiny_fp8
     targets = [t for t in qc["config_groups"]["group_0"]["targets"] if "down_proj" not in t]
     plan = quant_plan.resolve(config, _with_targets(qc, [*targets, entry]), _dtypes(config, recipe))
@@ -235,7 +237,8 @@ def test_globs_unanchored_regexes_and_suffixes_are_served_with_their_rewrite(tin
 def test_fused_layer_names_match_their_checkpoint_modules(tiny_fp8) -> None:
     config, qc, recipe = tiny_fp8
     targets = ["re:.*gate_up_proj$", "re:.*down_proj$", "re:.*o_proj$", "re:.*q_b_proj$", "model.context_proj"]
-    assert quant_plan.resolve(config, _with_targets(qc, targets, ["re:.*norm$"]), _dtypes(config, recipe)).modules == recipe
+    plan = quant_plan.resolve(config, _with_targets(qc, targets, ["re:.*norm$"]), _dtypes(config, recipe))
+    assert plan.modules == recipe
     # context_kv_proj names every layer's kv_a_proj_with_mqa, which is stored BF16: a conflict.
     with pytest.raises(quant_plan.QuantPlanError, match=r"layers\.0\.self_attn\.kv_a_proj_with_mqa is stored BF16, "
                        r"but quantization_config quantizes it as fp8 \(target 'context_kv_proj'\)"):
