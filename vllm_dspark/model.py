@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.logger import init_logger
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
