@@ -308,3 +308,14 @@ def test_stray_lm_head_and_disabled_confidence_head_are_skipped_with_one_warning
     assert set(state_dict) == set(tensor_shapes(loaded_config))
     served = load_drafter(tiny_mla_target, model_dir)
     assert served.model.model.confidence_head is None and len(served.model._quant_plan.stray) == 3
+
+
+def test_eval_reads_builds_through_the_resolver(encodings, builds, tiny_checkpoint: Path) -> None:
+    from vllm_dspark.drift.harness import EvalSpec, load_reference, load_variant
+
+    with pytest.raises(ValueError, match="is quantized; --model must be the unquantized drafter"):
+        load_reference(EvalSpec(model=str(encodings("fp8", "linear-class"))))
+    config, _, heads = load_reference(EvalSpec(model=str(tiny_checkpoint)))
+    _, source = load_variant(str(encodings("fp8", "include-layer-suffixes")), EvalSpec(model=str(tiny_checkpoint)),
+                             config, heads)
+    assert "(quantized: fp8), in BF16" in source
