@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import platform
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,13 +37,14 @@ from tqdm import tqdm
 
 import vllm_dspark.drift as drift_pkg
 from vllm_dspark import formats
-from vllm_dspark.checkpoint import load_drafter_state_dict, load_target_heads, read_config_json
+from vllm_dspark.checkpoint import load_drafter_state_dict, load_target_heads, quantized_module_names, read_config_json
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.drift import corpus as corpus_mod
 from vllm_dspark.drift import metrics
 from vllm_dspark.drift.regimes import HEAVY_SIGMA, REGIMES, boot_aux, synthetic_aux
 from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules, fused_module_groups, tensor_shapes
 from vllm_dspark.reference import ReferenceDrafter
+from vllm_dspark.safety import require_finite, spill_dir
 from vllm_dspark.sampling import markov_rollout
 from vllm_dspark.version import __version__
 
@@ -190,7 +190,21 @@ def variant_label(name: str) -> str:
     return name if name in BUILTIN_VARIANTS else Path(name).name
 
 
-def load_variant(name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads) -> tuple[ReferenceDrafter, str]:
+def check_same_model(name: str, state_dict: dict[str, torch.Tensor], quantized: Sequence[str],
+                     reference: ReferenceDrafter) -> None:
+    """Refuse a variant whose unquantized tensors are not bit-identical to the reference's."""
+    ours = reference.state_dict()
+    differ = [key for key, tensor in state_dict.items()
+              if key.rpartition(".")[0] not in quantized and key in ours
+              and not torch.equal(tensor.float(), ours[key].to(tensor.device).float())]
+    if differ:
+        raise ValueError(f"variant {name} is not a build of the reference: {len(differ)} unquantized tensor(s) differ "
+                         f"from the reference's ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}). Fix: "
+                         "quantize the --model checkpoint itself, or pass the --model it was quantized from.")
+
+
+def load_variant(name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads,
+                 reference: ReferenceDrafter) -> tuple[ReferenceDrafter, str]:
     """A BF16-computed variant and a description of where its weights came from."""
     if name in formats.FORMATS or name == "bf16":
         _, state_dict = load_drafter_state_dict(spec.model, dtype=torch.bfloat16)
@@ -205,6 +219,7 @@ def load_variant(name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads
         if tensor_shapes(variant_config) != tensor_shapes(config):
             raise ValueError(f"variant {name} is not a build of {spec.model}: its config implies different shapes")
         raw = read_config_json(name)
+        check_same_model(name, state_dict, quantized_module_names(name), reference)
         source = f"checkpoint {name} ({'quantized' if 'quantization_config' in raw else 'unquantized'}), in BF16"
     else:
         raise ValueError(f"unknown variant {name!r}: use one of {', '.join(BUILTIN_VARIANTS)} "
@@ -231,6 +246,10 @@ def confidence(drafter: ReferenceDrafter, hidden: torch.Tensor, markov_embeds: t
     return drafter.confidence(hidden, markov_embeds).float()
 
 
+_NON_FINITE_FIX = ("its weights or the target heads hold NaN or Inf values, or scales overflow: run `vllm-dspark "
+                   "check` on it and re-export or re-quantize it")
+
+
 @dataclass
 class ReferenceCell:
     """The reference's results on one cell's blocks: all the harness keeps of them."""
@@ -250,6 +269,7 @@ def reference_cell(reference: ReferenceDrafter, cell_batches: Iterator[Batch], s
     for batch in cell_batches:
         hidden, logits = backbone(reference, batch, absorbed=False)
         rollout = markov_rollout(logits, batch.anchors, reference.markov_embed, reference.markov_bias)
+        require_finite(rollout.logits, "the reference's logits", _NON_FINITE_FIX)
         out.logits[batch.ids[0] : batch.ids[-1] + 1] = rollout.logits.cpu().numpy()
         out.tokens.append(rollout.tokens)
         out.conf.append(confidence(reference, hidden, rollout.markov_embeds))
@@ -268,7 +288,7 @@ def _divergence(ref_logits: torch.Tensor, var_logits: torch.Tensor, rows: int = 
 
 @torch.inference_mode()
 def variant_cell(variant: ReferenceDrafter, reference: ReferenceDrafter, ref: ReferenceCell,
-                 cell_batches: Iterator[Batch], bar: tqdm) -> metrics.BlockRecords:
+                 cell_batches: Iterator[Batch], bar: tqdm, variant_name: str) -> metrics.BlockRecords:
     absorbed = variant is not reference
     parts = []
     for i, batch in enumerate(cell_batches):
@@ -280,6 +300,9 @@ def variant_cell(variant: ReferenceDrafter, reference: ReferenceDrafter, ref: Re
                                     forced_prev=forced)
         var_conf = confidence(variant, hidden, free.markov_embeds)
         del logits
+        # NaN logits argmax to token 0 on both sides: refused, so they never count as agreement.
+        for rollout in (free, forced_var):
+            require_finite(rollout.logits, f"variant {variant_name}'s logits", _NON_FINITE_FIX)
         div = _divergence(ref.batch_logits(batch).to(forced_var.logits.device), forced_var.logits)
         parts.append(metrics.BlockRecords(
             tf_agree=(forced_var.tokens == ref_tokens).cpu().numpy(),
@@ -344,13 +367,13 @@ def run(spec: EvalSpec) -> dict[str, Any]:
     total = spec.blocks * len(cells)
     results_cells: list[dict[str, Any]] = []
     sources: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="vllm-dspark-eval-") as spill_dir:
+    with spill_dir() as spill_root:
         t0 = time.perf_counter()
         ref_cells: dict[tuple[str, int], ReferenceCell] = {}
         with tqdm(total=total, desc="reference fp32", unit="block", disable=not spec.progress) as bar:
             for regime, position in cells:
                 cell_batches = batches(spec, config, blocks, regime, position)
-                spill = Path(spill_dir) / f"reference-{regime}-{position}.npy"
+                spill = spill_root / f"reference-{regime}-{position}.npy"
                 shape = (spec.blocks, config.block_size, config.vocab_size)
                 ref_cells[regime, position] = reference_cell(reference, cell_batches, spill, shape, bar)
         timing["reference_s"] = time.perf_counter() - t0
@@ -362,13 +385,13 @@ def run(spec: EvalSpec) -> dict[str, Any]:
             if name == SELF_CHECK:
                 variant, sources[label] = reference, "the reference itself (FP32 weights, FP32 compute)"
             else:
-                variant, sources[label] = load_variant(name, spec, config, heads)
+                variant, sources[label] = load_variant(name, spec, config, heads, reference)
             timing[f"load_{label}_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             with tqdm(total=total, desc=label, unit="block", disable=not spec.progress) as bar:
                 for regime, position in cells:
                     records = variant_cell(variant, reference, ref_cells[regime, position],
-                                           batches(spec, config, blocks, regime, position), bar)
+                                           batches(spec, config, blocks, regime, position), bar, label)
                     results_cells.append({"variant": label, "regime": regime, "position": position,
                                           "metrics": metrics.summarize(records, indices)})
             timing[f"eval_{label}_s"] = time.perf_counter() - t0
