@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"vllm-dspark: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"vllm-dspark: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     debug = "--debug" in rest or os.environ.get("VLLM_DSPARK_DEBUG", "") not in ("", "0")
     return run_command(name, [a for a in rest if a != "--debug"], debug=debug)

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.inputs is not None and args.out is None:
         parser.error("--out is required with --inputs")
-    sources = [args.model, args.target, args.inputs]
+    sources = [args.inputs, args.target, args.model]
     if args.example_inputs is not None:
         from vllm_dspark.checkpoint import load_config
 

@@ -129,6 +129,10 @@ def staged(target: str | Path, *, directory: bool, merge: bool = False) -> Itera
     """
     target = Path(target)
     parent = target.parent
+    existing = next(p for p in (parent, *parent.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{existing} is a file, not a directory, so {target} cannot be written. Fix: choose an output "
+                         "path inside a directory.")
     parent.mkdir(parents=True, exist_ok=True)
     _sweep(parent, _STAGING_RE, name=target.name)
     staging = parent / f".{target.name}.partial-{os.getpid()}"

@@ -43,7 +43,10 @@ def _ids_from_json(obj) -> np.ndarray:
 
 
 def _ids_from_npy(path: Path) -> np.ndarray:
-    ids = np.load(path, allow_pickle=False)
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as e:
+        raise ValueError(f"{path} is not a .npy array file ({e}). Fix: save the token ids with numpy.save") from None
     if not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"{path} holds {ids.dtype} values, not integer token ids (a float would be truncated to a "
                          "different id). Fix: save the token ids as an integer array, e.g. np.int64")
