@@ -566,7 +566,10 @@ def test_bad_input(bad: Case, ckpts: dict[str, Path], tmp_path: Path, isolated_t
 # ----- the error boundary itself -----
 
 
-@pytest.mark.parametrize("debug", ["--debug", "VLLM_DSPARK_DEBUG"])
+DEBUG_SWITCHES = ["--debug", "VLLM_DSPARK_DEBUG"]
+
+
+@pytest.mark.parametrize("debug", DEBUG_SWITCHES)
 def test_debug_shows_the_traceback(debug: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     argv = ["quantize", "--model_dir", str(tmp_path / "nowhere"), "--output_dir", str(tmp_path / "o"),
             "--quant_format", "fp8"]
@@ -590,8 +593,10 @@ def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
         cli.main(["check", "x"])
 
 
-@pytest.mark.parametrize(("fmt", "suffix", "value"), [("fp8", "weight_scale", 0.0), ("fp8", "weight_scale", float("nan")),
-                                                     ("fp8", "weight_scale", -1.0)])
+VLLM_SCALES = [("fp8", "weight_scale", 0.0), ("fp8", "weight_scale", float("nan")), ("fp8", "weight_scale", -1.0)]
+
+
+@pytest.mark.parametrize(("fmt", "suffix", "value"), VLLM_SCALES)
 def test_load_with_vllm_refuses_bad_scales_and_writes_nothing(fmt: str, suffix: str, value: float, ckpts,
                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's loader (load_weights) refuses a bad scale by name; its stand-in target config goes to a temp
@@ -675,7 +680,10 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-@pytest.mark.parametrize("command", ["make-random", "quantize", "draft", "eval"])
+STALE_COMMANDS = ["make-random", "quantize", "draft", "eval"]
+
+
+@pytest.mark.parametrize("command", STALE_COMMANDS)
 def test_stale_staging_of_a_killed_run_is_removed(command: str, ckpts, tmp_path: Path, isolated_tmpdir: Path,
                                                   one_torch_thread) -> None:
     """A folder a SIGKILLed run left (its PID is gone) is removed by the next run, which says so."""
@@ -703,7 +711,9 @@ def test_stale_staging_of_a_killed_run_is_removed(command: str, ckpts, tmp_path:
 
 def test_the_case_count_in_the_readme_is_this_files() -> None:
     """The README's "Bad input and interruption" section quotes how many cases this file runs."""
-    count = len(CASES) + 2 + 1 + 3 + len(INTERRUPTIONS) + 4
+    # Every test above: the cases, the debug switches, the bug that keeps its traceback, vLLM's loader,
+    # the interruptions and the stale folders.
+    count = len(CASES) + len(DEBUG_SWITCHES) + 1 + len(VLLM_SCALES) + len(INTERRUPTIONS) + len(STALE_COMMANDS)
     readme = (ROOT / "README.md").read_text()
     assert f"{count} bad-input and interruption cases" in readme, count
     assert len(CASES) >= 150

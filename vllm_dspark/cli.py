@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import traceback
 
@@ -47,20 +48,19 @@ def run_command(name: str, argv: list[str], *, debug: bool = False) -> int:
     from vllm_dspark.safety import Interrupted, describe_os_error, signals_raise
 
     prog = f"vllm-dspark {name}"
+    received: list[int] = []
     try:
-        with signals_raise():
+        with signals_raise() as received:
             module = importlib.import_module(COMMANDS[name][0])
             return int(module.main(argv) or 0)
-    except (Interrupted, KeyboardInterrupt) as e:
-        code = e.exit_code if isinstance(e, Interrupted) else 130
-        signame = str(e) if isinstance(e, Interrupted) else "SIGINT"
+    except (Interrupted, KeyboardInterrupt, ValueError, OSError, SafetensorError) as e:
         if debug:
             traceback.print_exc()
-        print(f"{prog}: interrupted by {signame}; partial output removed, inputs untouched.", file=sys.stderr)
-        return code
-    except (ValueError, OSError, SafetensorError) as e:
-        if debug:
-            traceback.print_exc()
+        if received or isinstance(e, KeyboardInterrupt):
+            signum = received[0] if received else signal.SIGINT
+            print(f"{prog}: interrupted by {signal.Signals(signum).name}; partial output removed, inputs untouched.",
+                  file=sys.stderr)
+            return 128 + signum
         message = describe_os_error(e) if isinstance(e, OSError) else _one_line(str(e))
         print(f"{prog}: error: {message}", file=sys.stderr)
         return 2

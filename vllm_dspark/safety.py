@@ -50,10 +50,6 @@ class Interrupted(BaseException):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
 
 # ----- output paths -----
 
@@ -169,18 +165,24 @@ def spill_dir() -> Iterator[Path]:
 
 
 @contextmanager
-def signals_raise() -> Iterator[None]:
-    """Turn SIGINT and SIGTERM into :class:`Interrupted`, so every ``staged`` and ``spill_dir`` cleans up."""
+def signals_raise() -> Iterator[list[int]]:
+    """Turn SIGINT and SIGTERM into :class:`Interrupted`, so every ``staged`` and ``spill_dir`` cleans up.
+
+    Yields the signals received: a library that converts errors raised inside its C code (torch
+    does) may deliver the interrupt as another exception type, and the caller still knows.
+    """
+    received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield received
         return
 
     def handler(signum: int, frame: object) -> None:
+        received.append(signum)
         raise Interrupted(signum)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield received
     finally:
         for s, old in previous.items():
             signal.signal(s, old)
