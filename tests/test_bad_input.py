@@ -164,6 +164,53 @@ def _doctor(model: Path, tmp: Path, *extra: str) -> list[str]:
             *extra]
 
 
+def _ids_file(tmp: Path, ids, suffix: str) -> Path:
+    path = tmp / "in" / f"ids{suffix}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if suffix == ".npy":
+        np.save(path, np.asarray(ids))
+    elif suffix == ".json":
+        path.write_text(json.dumps(ids))
+    else:
+        path.write_text(ids)
+    return path
+
+
+def _nan_heads(model: Path, tmp: Path) -> Path:
+    heads = load_file(str(model / "target" / "model.safetensors"))
+    heads["lm_head.weight"][3, 5] = float("nan")
+    path = tmp / "in" / "heads.safetensors"
+    save_file(heads, str(path))
+    return path
+
+
+def _edit_index(model: Path, edit) -> None:
+    path = model / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    edit(index)
+    path.write_text(json.dumps(index))
+
+
+def _replace_shard(model: Path, make) -> None:
+    shard = next(model.glob("model-*.safetensors"))
+    shard.unlink()
+    make(shard)
+
+
+def _file(path: Path, text: str = "keep me") -> Path:
+    """A user's file that must survive: ``path`` with ``text``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _raw_file(tmp: Path, name: str, content: bytes) -> Path:
+    path = tmp / "in" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    return path
+
+
 # ----- the cases: (id, argv builder, exit code, text the one message line contains) -----
 
 Build = Callable[[Path, dict[str, Path]], list[str]]
@@ -178,13 +225,6 @@ class Case:
 
 
 CASES: list[Case] = []
-
-
-def case(id: str, code: int, message: str) -> Callable[[Build], Build]:
-    def register(build: Build) -> Build:
-        CASES.append(Case(id, build, code, message))
-        return build
-    return register
 
 
 def add(id: str, code: int, message: str, build: Build) -> None:
@@ -210,9 +250,9 @@ for flag in ((), ("--overwrite",)):
         lambda t, c, f=flag: ["quantize", "--model_dir", str(_copy(c["bf16"], t, "m")), "--output_dir",
                               str(t / "in" / "m" / "config.json"), "--quant_format", "fp8", *f])
 add("quantize-out-nonempty", 2, "exists and is not empty. Fix: pass --overwrite",
-    lambda t, c: shutil.copytree(c["fp8"], t / "out") and _quantize(c["bf16"], t))
+    lambda t, c: _quantize(c["bf16"], t) if shutil.copytree(c["fp8"], t / "out") else [])
 add("quantize-out-is-file", 2, "exists and is not a directory",
-    lambda t, c: (t / "out").write_text("x") and _quantize(c["bf16"], t))
+    lambda t, c: _quantize(c["bf16"], t) if _file(t / "out") else [])
 add("draft-out-is-inputs", 2, "is the input",
     lambda t, c: ["draft", "--model", str(c["bf16"]), "--inputs", str(_draft_inputs(t, c)), "--out",
                   str(t / "in" / "inputs.safetensors")])
@@ -246,30 +286,15 @@ add("eval-out-is-variant", 2, "is the input",
 add("eval-out-is-corpus", 2, "is the input",
     lambda t, c: _eval(c["bf16"], t, extra=("--corpus", str(p := _ids_file(t, [1, 2, 3] * 9, ".json"))), out=p))
 add("eval-out-is-file", 2, "exists and is not a directory",
-    lambda t, c: (t / "out").write_text("x") and _eval(c["bf16"], t))
+    lambda t, c: _eval(c["bf16"], t) if _file(t / "out") else [])
 add("make-random-nonempty", 2, "exists and is not empty. Fix: pass --overwrite",
     lambda t, c: ["make-random", "--preset", "tiny", "--quiet", "--out", str(_copy(c["bf16"], t))])
 add("make-random-nonempty-notes", 2, "exists and is not empty. Fix: pass --overwrite",
-    lambda t, c: (t / "in").mkdir() or (t / "in" / "notes.txt").write_text("keep") and
-    ["make-random", "--preset", "tiny", "--quiet", "--out", str(t / "in")])
+    lambda t, c: ["make-random", "--preset", "tiny", "--quiet", "--out", str(_file(t / "in" / "notes.txt").parent)])
 add("make-random-over-file", 2, "exists and is not a directory",
-    lambda t, c: (t / "in").mkdir() or (t / "in" / "f").write_text("keep") and
-    ["make-random", "--preset", "tiny", "--quiet", "--out", str(t / "in" / "f")])
+    lambda t, c: ["make-random", "--preset", "tiny", "--quiet", "--out", str(_file(t / "in" / "f"))])
 add("make-random-parent-is-file", 2, "is a file, not a directory",
-    lambda t, c: (t / "in").mkdir() or (t / "in" / "f").write_text("keep") and
-    ["make-random", "--preset", "tiny", "--quiet", "--out", str(t / "in" / "f" / "x")])
-
-
-def _ids_file(tmp: Path, ids, suffix: str) -> Path:
-    path = tmp / "in" / f"ids{suffix}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if suffix == ".npy":
-        np.save(path, np.asarray(ids))
-    elif suffix == ".json":
-        path.write_text(json.dumps(ids))
-    else:
-        path.write_text(ids)
-    return path
+    lambda t, c: ["make-random", "--preset", "tiny", "--quiet", "--out", str(_file(t / "in" / "f") / "x")])
 
 
 # 3. Finite or refused: source weights, scales in every loader, draft inputs, eval logits and variants.
@@ -351,14 +376,6 @@ add("draft-nan-weights", 2, "the drafted logits: ",
                         _draft_inputs(t, c), t))
 add("draft-nan-lm-head", 2, "the drafted logits: ",
     lambda t, c: _draft(m := _copy(c["bf16"], t), _draft_inputs(t, c), t, "--target", str(_nan_heads(m, t))))
-
-
-def _nan_heads(model: Path, tmp: Path) -> Path:
-    heads = load_file(str(model / "target" / "model.safetensors"))
-    heads["lm_head.weight"][3, 5] = float("nan")
-    path = tmp / "in" / "heads.safetensors"
-    save_file(heads, str(path))
-    return path
 
 
 add("eval-reference-nan", 2, "the reference's logits: ",
@@ -451,19 +468,6 @@ MALFORMED_MESSAGES = {
 }
 
 
-def _edit_index(model: Path, edit) -> None:
-    path = model / "model.safetensors.index.json"
-    index = json.loads(path.read_text())
-    edit(index)
-    path.write_text(json.dumps(index))
-
-
-def _replace_shard(model: Path, make) -> None:
-    shard = next(model.glob("model-*.safetensors"))
-    shard.unlink()
-    make(shard)
-
-
 def _malformed(src: str, name: str) -> Callable[[Path, dict[str, Path]], Path]:
     def build(t: Path, c: dict[str, Path]) -> Path:
         m = _copy(c[src], t)
@@ -482,9 +486,9 @@ add("eval-shard-truncated", 2, "is not a readable safetensors file",
 add("eval-variant-shard-truncated", 2, "is not a readable safetensors file",
     lambda t, c: _eval(c["bf16"], t, str(_malformed("fp8", "shard-truncated")(t, c))))
 add("draft-out-is-directory", 2, "is a directory",
-    lambda t, c: (t / "out.safetensors").mkdir() or _draft(c["bf16"], _draft_inputs(t, c), t))
+    lambda t, c: _draft(c["bf16"], _draft_inputs(t, c), t, out=_file(t / "out.safetensors" / "x").parent))
 add("draft-out-parent-is-file", 2, "is a file, not a directory",
-    lambda t, c: (t / "f").write_text("x") and _draft(c["bf16"], _draft_inputs(t, c), t, out=t / "f" / "o"))
+    lambda t, c: _draft(c["bf16"], _draft_inputs(t, c), t, out=_file(t / "f") / "o"))
 add("draft-inputs-missing", 2, "does not exist",
     lambda t, c: _draft(c["bf16"], t / "none.safetensors", t))
 add("draft-inputs-directory", 2, "is a directory", lambda t, c: _draft(c["bf16"], _copy(c["bf16"], t), t))
@@ -523,13 +527,6 @@ for name, content in (("list", b"[1]"), ("not-utf8", b'{"a": "\xff"}')):
 add("doctor-speculative-config-not-json", 2, "not valid JSON",
     lambda t, c: ["doctor", "-sc", "{method: dspark}"])
 add("unknown-command", 2, "unknown command 'serve'", lambda t, c: ["serve", "--model", "x"])
-
-
-def _raw_file(tmp: Path, name: str, content: bytes) -> Path:
-    path = tmp / "in" / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(content)
-    return path
 
 
 # ----- the test -----
@@ -610,6 +607,17 @@ def test_load_with_vllm_refuses_bad_scales_and_writes_nothing(fmt: str, suffix: 
     _edit_tensor(model, f"{_SCALE}.{suffix}", _set_first(value))
     before = _tree(tmp_path)
     with pytest.raises(ValueError, match=rf"'{_SCALE}.{suffix}': 1 of .* scale values are NaN, infinite, zero"):
+        load_with_vllm(model)
+    assert _tree(tmp_path) == before
+
+
+def test_load_with_vllm_refuses_a_truncated_shard(ckpts, tmp_path: Path) -> None:
+    """One ValueError naming the shard, before vLLM's loader would fail deep inside safetensors."""
+    from vllm_dspark.vllm_load import load_with_vllm
+
+    model = _malformed("fp8", "shard-truncated")(tmp_path, ckpts)
+    before = _tree(tmp_path)
+    with pytest.raises(ValueError, match=r"model-00001-of-00001.safetensors is not a readable safetensors file"):
         load_with_vllm(model)
     assert _tree(tmp_path) == before
 
@@ -711,9 +719,9 @@ def test_stale_staging_of_a_killed_run_is_removed(command: str, ckpts, tmp_path:
 
 def test_the_case_count_in_the_readme_is_this_files() -> None:
     """The README's "Bad input and interruption" section quotes how many cases this file runs."""
-    # Every test above: the cases, the debug switches, the bug that keeps its traceback, vLLM's loader,
-    # the interruptions and the stale folders.
-    count = len(CASES) + len(DEBUG_SWITCHES) + 1 + len(VLLM_SCALES) + len(INTERRUPTIONS) + len(STALE_COMMANDS)
+    # Every test above: the cases, the debug switches, the bug that keeps its traceback, vLLM's loader
+    # (scales, a truncated shard), the interruptions and the stale folders.
+    count = len(CASES) + len(DEBUG_SWITCHES) + 1 + len(VLLM_SCALES) + 1 + len(INTERRUPTIONS) + len(STALE_COMMANDS)
     readme = (ROOT / "README.md").read_text()
     assert f"{count} bad-input and interruption cases" in readme, count
     assert len(CASES) >= 150

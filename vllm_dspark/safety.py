@@ -147,6 +147,7 @@ def staged(target: str | Path, *, directory: bool, merge: bool = False) -> Itera
             staging.rmdir()
         else:
             old = parent / f".{target.name}.old-{os.getpid()}"
+            _remove(old)
             os.replace(target, old)
             os.replace(staging, target)
             _remove(old)

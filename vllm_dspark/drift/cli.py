@@ -80,14 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         include_layers=tuple(args.include_layers), resamples=args.resamples, progress=not args.no_progress,
     )
     out = Path(args.out)
-    check_output(out, [args.model, *args.variants, args.corpus, args.tokenizer, args.target], flag="--out")
+    checkpoints = [v for v in args.variants if Path(v).exists()]  # not the built-in names (bf16, fp8, ...)
+    check_output(out, [args.model, *checkpoints, args.corpus, args.tokenizer, args.target], flag="--out")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory. Fix: pass a results directory.")
-    t0 = time.perf_counter()
-    results = run(spec)
-    results["timing"]["total_s"] = time.perf_counter() - t0
-    # Built beside --out and moved in when complete: an interrupted or failed write leaves no truncated results.json.
+    # Staged from the start: an unwritable --out fails now, not after the run, and an interrupted or
+    # failed run leaves no truncated results.json.
     with staged(out, directory=True, merge=True) as staging:
+        t0 = time.perf_counter()
+        results = run(spec)
+        results["timing"]["total_s"] = time.perf_counter() - t0
         files = [out / f.name for f in write_report(results, staging)]
     print(ceiling_summary(results))
     print("\n".join(f"wrote {f}" for f in files))
