@@ -66,7 +66,7 @@ _R = TypeVar("_R")
 
 
 class Refusal(ValueError):
-    """A request the quantizer turns down; `vllm-dspark` prints it as one line and exits 2."""
+    """A request the quantizer turns down; ``vllm-dspark`` prints it as one line and exits 2."""
 
 
 @dataclass(frozen=True)
