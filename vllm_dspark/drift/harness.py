@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 import platform
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,13 +190,16 @@ def variant_label(name: str) -> str:
     return name if name in BUILTIN_VARIANTS else Path(name).name
 
 
-def check_same_model(name: str, state_dict: dict[str, torch.Tensor], quantized: Sequence[str],
+def check_same_model(name: str, state_dict: dict[str, torch.Tensor], quantized: Container[str],
                      reference: ReferenceDrafter) -> None:
-    """Refuse a variant whose unquantized tensors are not bit-identical to the reference's."""
+    """Refuse a variant whose unquantized tensors (modules not in ``quantized``) differ from the reference's.
+
+    Compared in the variant's loaded dtype, to which both sides were cast the same way.
+    """
     ours = reference.state_dict()
     differ = [key for key, tensor in state_dict.items()
               if key.rpartition(".")[0] not in quantized and key in ours
-              and not torch.equal(tensor.float(), ours[key].to(tensor.device).float())]
+              and not torch.equal(tensor, ours[key].to(tensor.device, tensor.dtype))]
     if differ:
         raise ValueError(f"variant {name} is not a build of the reference: {len(differ)} unquantized tensor(s) differ "
                          f"from the reference's ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}). Fix: "
