@@ -291,7 +291,7 @@ def test_invalid_config_field_names_file_and_field(tiny_checkpoint: Path, tmp_pa
         load_config(broken)
     config_json.update(block_size=7, model_type="deepseek_v3")
     (broken / "config.json").write_text(json.dumps(config_json))
-    with pytest.raises(ValueError, match="model_type is 'deepseek_v3', not 'k3_dspark'"):
+    with pytest.raises(ValueError, match="model_type 'deepseek_v3' are not a K3 DSpark drafter's"):
         load_config(broken)
 
 

@@ -109,7 +109,8 @@ def test_bad_inputs_exit_2_without_traceback(checkpoint, inputs_file, tmp_path, 
 
 
 def test_bad_checkpoint_exits_2(checkpoint, inputs_file, tmp_path, capsys) -> None:
-    code = draft("--model", str(tmp_path), "--inputs", str(inputs_file), "--out", str(tmp_path / "o"))
+    (tmp_path / "empty").mkdir()
+    code = draft("--model", str(tmp_path / "empty"), "--inputs", str(inputs_file), "--out", str(tmp_path / "o"))
     assert code == 2 and "has no config.json" in capsys.readouterr().err
     code = draft("--model", str(checkpoint), "--inputs", str(tmp_path / "none.safetensors"),
                  "--out", str(tmp_path / "o"))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_dspark import cli
 from vllm_dspark.drift import corpus, regimes
 from vllm_dspark.drift.cli import main, parse_position
 from vllm_dspark.drift.harness import EvalSpec, run
@@ -88,11 +89,11 @@ def test_cli_writes_results_table_and_plots(tiny_checkpoint, tmp_path):
 
 
 def test_cli_rejects_bad_input(tiny_checkpoint, tmp_path, capsys):
-    assert main(["--model", str(tiny_checkpoint), "--variants", "int3", "--blocks", "4", "--regimes", "gauss",
-                 "--out", str(tmp_path), "--no-progress"]) == 2
+    assert cli.main(["eval", "--model", str(tiny_checkpoint), "--variants", "int3", "--blocks", "4", "--regimes",
+                     "gauss", "--out", str(tmp_path), "--no-progress"]) == 2
     assert "unknown variant" in capsys.readouterr().err
-    assert main(["--model", str(tiny_checkpoint), "--variants", "bf16", "--blocks", "4", "--regimes", "gauss",
-                 "--positions", "2M", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert cli.main(["eval", "--model", str(tiny_checkpoint), "--variants", "bf16", "--blocks", "4", "--regimes",
+                     "gauss", "--positions", "2M", "--out", str(tmp_path), "--no-progress"]) == 2
     assert "out of range" in capsys.readouterr().err
 
 

@@ -30,6 +30,7 @@ from safetensors import safe_open
 from vllm_dspark import formats, quant_plan
 from vllm_dspark.checkpoint import SAFETENSORS_DTYPES, checked_weight_map, load_config, read_config_json
 from vllm_dspark.layout import ModuleSpec, checkpoint_modules, fused_module_groups
+from vllm_dspark.safety import describe_os_error, invalid_scale_count
 
 _REQUANTIZE = "re-quantize the BF16 checkpoint with `vllm-dspark quantize`"
 
@@ -170,13 +171,7 @@ def _scale_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored: 
             if not suffix.endswith("scale") or key not in stored:
                 continue  # a missing scale is already a missing-tensor problem
             scale = _load(stored, key)
-            if fmt == "mxfp4" and suffix == "weight_scale":
-                bad = int((scale == 255).sum())  # E8M0 255 encodes NaN
-            else:
-                values = scale.float()
-                # A zero group scale only zeroes an all-zero group; a zero channel or global scale breaks dequant.
-                positive = values >= 0 if fmt == "nvfp4" and suffix == "weight_scale" else values > 0
-                bad = int((~torch.isfinite(values) | ~positive).sum())
+            bad = invalid_scale_count(scale)
             if bad:
                 problems.append(f"{key}: {bad} of {scale.numel()} scale values are NaN, infinite or not positive. "
                                 f"Fix: {_REQUANTIZE}")
@@ -199,13 +194,12 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
     try:
         raw = read_config_json(model_dir)
         config = load_config(model_dir)
-    except ValueError as e:
-        report.problems.append(str(e))
-        return report
-    try:
         stored = stored_tensors(model_dir)
     except ValueError as e:
         report.problems.append(str(e))
+        return report
+    except OSError as e:
+        report.problems.append(describe_os_error(e))
         return report
 
     specs = checkpoint_modules(config)
@@ -282,4 +276,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vllm_dspark.cli import main as cli_main
+
+    sys.exit(cli_main(["check", *sys.argv[1:]]))

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from vllm_dspark.config import K3DSparkConfig
+from vllm_dspark.config import K3DSparkConfig, check_identity
 from vllm_dspark.layout import checkpoint_modules
+from vllm_dspark.safety import invalid_scale_count
 
 __all__ = [
     "CONFIG_NAME",
@@ -90,12 +91,19 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"{model_dir} has no {CONFIG_NAME}. Fix: copy the drafter's {CONFIG_NAME} next to its "
                          "shards, or write a fresh checkpoint with `vllm-dspark make-random`.")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}. "
                          "Fix: repair the file (a trailing comma or a truncated copy is the usual cause).") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}). Fix: use the checkpoint's "
+                         "own config.json.") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object, found a {type(raw).__name__}.")
+    qc = raw.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ValueError(f"{path}: quantization_config must be a JSON object (a compressed-tensors config), found a "
+                         f"{type(qc).__name__}. Fix: use the config.json `vllm-dspark quantize` wrote.")
     return raw
 
 
@@ -103,10 +111,8 @@ def load_config(model_dir: str | Path) -> K3DSparkConfig:
     """The ``K3DSparkConfig`` of ``model_dir``; every problem is a ``ValueError`` naming the file."""
     raw = read_config_json(model_dir)
     path = Path(model_dir) / CONFIG_NAME
-    if raw.get("model_type") not in (None, K3DSparkConfig.model_type):
-        raise ValueError(f"{path}: model_type is {raw['model_type']!r}, not {K3DSparkConfig.model_type!r}. "
-                         "Fix: point at a K3 DSpark drafter checkpoint (architectures [\"K3DSparkModel\"]).")
     try:
+        check_identity(raw)
         return K3DSparkConfig(**raw)
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{path}: {e}") from None
@@ -214,7 +220,10 @@ def _weight_map(model_dir: Path) -> dict[str, Path]:
             weight_map = index["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            odd = [f"{k}: {v!r}" for k, v in weight_map.items() if not isinstance(v, str)]
+            if odd:
+                raise TypeError(f"weight_map entries must name shard files, got {', '.join(odd[:3])}")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index_path} is malformed ({e}). Fix: it must be a JSON object with a "
                              '"weight_map" of {"tensor name": "shard file name"}.') from None
         missing_files = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
@@ -334,6 +343,12 @@ def _dequantize(
     from vllm_dspark import formats
 
     parts = {suffix: read(f"{module}.{suffix}") for suffix in formats.quantized_tensor_specs(fmt, shape)}
+    for suffix, tensor in parts.items():
+        bad = invalid_scale_count(tensor) if suffix.endswith("scale") else 0
+        if bad:
+            raise ValueError(f"{module}.{suffix}: {bad} of {tensor.numel()} scale values are NaN, infinite, zero or "
+                             "negative, so the weight cannot be dequantized. Fix: re-quantize the BF16 checkpoint "
+                             "with `vllm-dspark quantize`.")
     try:
         weight = formats.dequantize_weight(parts, fmt, tuple(shape))
     except (ValueError, RuntimeError) as e:

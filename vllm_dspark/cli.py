@@ -3,12 +3,20 @@
 
 Each subcommand lives in its own module with a ``main(argv) -> int``; the module is imported only
 when its subcommand runs, so ``vllm-dspark --help`` stays instant.
+
+:func:`main` is the one error boundary: expected failures (bad configuration or input, I/O, a corrupt
+safetensors file, JSON, text decoding) and interrupts become one line naming the problem and the fix,
+exit 2 (130 / 143 for SIGINT / SIGTERM). A traceback appears only with ``--debug`` or
+``VLLM_DSPARK_DEBUG=1``; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
+import traceback
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-random": ("vllm_dspark.make_random", "write a random drafter checkpoint in the real on-disk layout"),
@@ -24,8 +32,38 @@ def _usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: vllm-dspark COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "`vllm-dspark COMMAND --help` describes a command's arguments."]
+    lines += ["", "`vllm-dspark COMMAND --help` describes a command's arguments; `--debug` (or "
+              "VLLM_DSPARK_DEBUG=1) shows the traceback behind an error."]
     return "\n".join(lines)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def run_command(name: str, argv: list[str], *, debug: bool = False) -> int:
+    """Run subcommand ``name`` inside the error boundary; returns its exit code."""
+    from safetensors import SafetensorError
+
+    from vllm_dspark.safety import Interrupted, describe_os_error, signals_raise
+
+    prog = f"vllm-dspark {name}"
+    received: list[int] = []
+    try:
+        with signals_raise() as received:
+            module = importlib.import_module(COMMANDS[name][0])
+            return int(module.main(argv) or 0)
+    except (Interrupted, KeyboardInterrupt, ValueError, OSError, SafetensorError) as e:
+        if debug:
+            traceback.print_exc()
+        if received or isinstance(e, KeyboardInterrupt):
+            signum = received[0] if received else signal.SIGINT
+            print(f"{prog}: interrupted by {signal.Signals(signum).name}; partial output removed, inputs untouched.",
+                  file=sys.stderr)
+            return 128 + signum
+        message = describe_os_error(e) if isinstance(e, OSError) else _one_line(str(e))
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"vllm-dspark: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"vllm-dspark: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    debug = "--debug" in rest or os.environ.get("VLLM_DSPARK_DEBUG", "") not in ("", "0")
+    return run_command(name, [a for a in rest if a != "--debug"], debug=debug)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,15 @@ from transformers import DeepseekV3Config
 # The latent the Kimi-K3 target stores per token in its MLA KV pages: kv_lora_rank 512 + rope 64.
 K3_KV_LATENT_DIM = 576
 
+ARCHITECTURE = "K3DSparkModel"
+# Fields a drafter's config.json must state: DeepseekV3Config would otherwise default them to its own
+# (MoE model's) values, and the drafter would fail with dozens of shape errors, or load wrong.
+REQUIRED_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+    "target_hidden_size", "num_target_layers", "target_layer_ids", "mask_token_id", "markov_rank", "block_size",
+)
+
 YARN_REQUIRED_KEYS = ("factor", "original_max_position_embeddings")
 YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
@@ -198,6 +207,19 @@ def validate_config(c: K3DSparkConfig) -> None:
         _fail("logit_scale", f"must be a positive number, got {c.logit_scale!r}", "use 1.0 unless the checkpoint says otherwise")
     if c.max_position_embeddings < 1:
         _fail("max_position_embeddings", f"must be positive, got {c.max_position_embeddings}", "use 1048576 for Kimi-K3")
+
+
+def check_identity(raw: Mapping[str, Any]) -> None:
+    """Refuse a config.json that is not a K3 DSpark drafter's, or that leaves a required field out."""
+    architectures, model_type = raw.get("architectures"), raw.get("model_type")
+    if architectures != [ARCHITECTURE] or model_type != K3DSparkConfig.model_type:
+        raise ValueError(f"architectures {architectures!r} and model_type {model_type!r} are not a K3 DSpark drafter's "
+                         f'(["{ARCHITECTURE}"] and "{K3DSparkConfig.model_type}"). Fix: point at a K3 DSpark drafter '
+                         "checkpoint, or correct those fields.")
+    missing = [field for field in REQUIRED_FIELDS if raw.get(field) is None]
+    if missing:
+        raise ValueError(f"required field(s) {', '.join(missing)} missing; they are never defaulted. Fix: use the "
+                         "config.json the checkpoint was written with.")
 
 
 def register_config() -> None:

@@ -46,23 +46,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from vllm_dspark import check, make_random, quantize
-    from vllm_dspark.drift import cli as drift_cli
+    from vllm_dspark import cli
 
     drafter, fp8 = args.out / "drafter", args.out / "drafter-fp8"
     _step(f"1/5 make-random --preset {args.preset} --out {drafter}")
-    rc = make_random.main(["--preset", args.preset, "--out", str(drafter), "--seed", str(args.seed)])
+    # The demo owns its output folder: a rerun replaces it.
+    rc = cli.main(["make-random", "--preset", args.preset, "--out", str(drafter), "--seed", str(args.seed),
+                   "--overwrite"])
     if rc:
         return rc
 
     _step(f"2/5 quantize --quant_format fp8 --output_dir {fp8}")
-    rc = quantize.main(["--model_dir", str(drafter), "--output_dir", str(fp8), "--quant_format", "fp8",
-                        "--overwrite"])
+    rc = cli.main(["quantize", "--model_dir", str(drafter), "--output_dir", str(fp8), "--quant_format", "fp8",
+                   "--overwrite"])
     if rc:
         return rc
 
     _step(f"3/5 check {fp8}")
-    rc = check.main([str(fp8)])
+    rc = cli.main(["check", str(fp8)])
     if rc:
         return rc
 
@@ -79,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {how}: {', '.join(kinds)}")
 
     _step(f"5/5 eval: drift from the FP32 reference ({args.blocks} blocks per regime)")
-    return drift_cli.main(["--model", str(drafter), "--variants", "bf16", "fp8", "mxfp4", "nvfp4",
-                           "--regimes", "gauss", "heavy", "boot", "--blocks", str(args.blocks),
-                           "--out", str(args.out / "eval"), "--seed", str(args.seed)])
+    return cli.main(["eval", "--model", str(drafter), "--variants", "bf16", "fp8", "mxfp4", "nvfp4",
+                     "--regimes", "gauss", "heavy", "boot", "--blocks", str(args.blocks),
+                     "--out", str(args.out / "eval"), "--seed", str(args.seed)])
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import difflib
 import functools
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -433,8 +434,9 @@ def check_target(drafter: Mapping[str, Any], target: Mapping[str, Any]) -> list[
         if depth is not None and depth != layers:
             mismatch("target", f"drafter target_num_hidden_layers {depth} != target num_hidden_layers {layers}",
                      "use the drafter trained for this target")
-        ids = drafter.get("target_layer_ids") or []
-        if ids and max(ids) >= layers:
+        ids = drafter.get("target_layer_ids")
+        # A malformed list is the drafter-config check's finding; here only a well-formed one counts.
+        if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids) and max(ids) >= layers:
             mismatch("target", f"drafter target_layer_ids {ids} name layers the {layers}-layer target lacks",
                      "use the drafter trained for this target")
     if t.get("vocab_size") is not None and drafter.get("vocab_size") != t["vocab_size"]:
@@ -517,8 +519,15 @@ def format_findings(findings: Sequence[Finding]) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """A config.json as a dict; ``ValueError`` if it is not UTF-8 JSON holding an object."""
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            raw = json.load(f)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"holds a JSON {type(raw).__name__}, not an object")
+    return raw
 
 
 def resolve_drafter(model: str, revision: str | None = None) -> Path | None:
@@ -569,8 +578,9 @@ def load_drafter(spec: Mapping[str, Any]) -> tuple[Path | None, dict[str, Any] |
                                     "point model at the drafter checkpoint directory")]
     try:
         return path, _read_json(config_path), []
-    except json.JSONDecodeError as e:
-        return path, None, [Finding("error", "model", f"{config_path} is not valid JSON ({e})", "repair config.json")]
+    except ValueError as e:
+        return path, None, [Finding("error", "model", f"{config_path} is not a valid config ({e})",
+                                    "repair config.json: a UTF-8 JSON object")]
 
 
 def check_checkpoint_findings(path: Path) -> list[Finding]:
@@ -655,7 +665,7 @@ def _local_drafter(spec: Mapping[str, Any]) -> tuple[Path | None, dict[str, Any]
         return None, None
     try:
         return path, _read_json(path / "config.json")
-    except json.JSONDecodeError:
+    except ValueError:
         return None, None  # vLLM's own config loading reports it
 
 
@@ -742,6 +752,12 @@ def _json_arg(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text}") from None
 
 
+def _compute_capability(text: str) -> str:
+    if not re.fullmatch(r"\d+(\.\d+)?", text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability; use X.Y, e.g. 9.0 (H200) or 10.3 (GB300)")
+    return text.strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-dspark doctor",
@@ -759,7 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--compute-capability", metavar="X.Y",
+    p.add_argument("--compute-capability", metavar="X.Y", type=_compute_capability,
                    help="check against this GPU instead of this machine's (e.g. 10.3 for GB300, 9.0 for H200)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     return p
@@ -790,8 +806,8 @@ def run(args: argparse.Namespace) -> tuple[list[Finding], list[str]]:
             try:
                 target = _read_json(target_path)
                 checked.append(f"target {target_path}")
-            except json.JSONDecodeError as e:
-                findings.append(Finding("error", "target", f"{target_path} is not valid JSON ({e})",
+            except ValueError as e:
+                findings.append(Finding("error", "target", f"{target_path} is not a valid config ({e})",
                                         "pass the target's own config.json"))
     machine = machine_facts(args.compute_capability)
     checked.append(machine.describe())
@@ -824,4 +840,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vllm_dspark.cli import main as cli_main
+
+    sys.exit(cli_main(["doctor", *sys.argv[1:]]))

@@ -38,7 +38,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from vllm_dspark.safety import check_output, require_finite, staged
 
 if TYPE_CHECKING:
     from vllm_dspark.config import K3DSparkConfig
@@ -85,14 +88,17 @@ def example_inputs(
 
 
 def read_inputs(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read and check the names in an inputs file; shapes are checked by the drafter."""
+    """Read and check the names in an inputs file; shapes and values are checked by the drafter."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"inputs file {path} does not exist.")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ValueError(f"inputs file {path} {what}. Fix: pass a .safetensors file (`--example-inputs FILE` "
+                         "writes a valid one).")
     try:
         tensors = load_file(str(path))
-    except Exception as e:  # safetensors' own error types
-        raise ValueError(f"{path} is not a readable safetensors file ({e}).") from None
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e}). Fix: write it with "
+                         "safetensors.torch.save_file.") from None
     missing = [name for name, (required, _) in INPUT_TENSORS.items() if required and name not in tensors]
     if missing:
         raise ValueError(f"{path} lacks required tensor(s) {', '.join(missing)}: "
@@ -150,33 +156,43 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _write(tensors: dict[str, torch.Tensor], out: Path, flag: str, inputs: list[Path | None]) -> None:
+    """Save ``tensors`` to ``out`` atomically, never over an input or into a directory."""
+    check_output(out, inputs, flag=flag)
+    if out.is_dir():
+        raise ValueError(f"{flag} {out} is a directory. Fix: pass a file path, e.g. {out / 'out.safetensors'}.")
+    with staged(out, directory=False) as staging:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.inputs is not None and args.out is None:
         parser.error("--out is required with --inputs")
-    try:
-        if args.example_inputs is not None:
-            from vllm_dspark.checkpoint import load_config
+    sources = [args.inputs, args.target, args.model]
+    if args.example_inputs is not None:
+        from vllm_dspark.checkpoint import load_config
 
-            save_file(example_inputs(load_config(args.model)), str(args.example_inputs))
-            print(f"wrote example inputs to {args.example_inputs}")
-            return 0
-        inputs = read_inputs(args.inputs)  # before the model import: a bad inputs file fails in a second
-        from vllm_dspark.reference import ReferenceDrafter
+        _write(example_inputs(load_config(args.model)), args.example_inputs, "--example-inputs", sources)
+        print(f"wrote example inputs to {args.example_inputs}")
+        return 0
+    check_output(args.out, sources, flag="--out")  # before any work
+    inputs = read_inputs(args.inputs)  # before the model import: a bad inputs file fails in a second
+    from vllm_dspark.reference import ReferenceDrafter
 
-        drafter = ReferenceDrafter.from_pretrained(args.model, target_dir=args.target,
-                                                   compute_dtype=_DTYPES[args.dtype])
-        outputs = run_draft(drafter, inputs, absorbed=args.absorbed)
-    except ValueError as e:
-        print(f"vllm-dspark draft: error: {e}", file=sys.stderr)
-        return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in outputs.items()}, str(args.out))
+    drafter = ReferenceDrafter.from_pretrained(args.model, target_dir=args.target,
+                                               compute_dtype=_DTYPES[args.dtype])
+    outputs = run_draft(drafter, inputs, absorbed=args.absorbed)
+    require_finite(outputs["logits"], "the drafted logits", "the drafter's weights or the target heads hold NaN or "
+                   "Inf values: run `vllm-dspark check` on the drafter and re-export it")
+    _write(outputs, args.out, "--out", sources)
     tokens = outputs["draft_tokens"]
     print(f"drafted {tokens.shape[0]} block(s) of {tokens.shape[1]} tokens ({args.dtype}) -> {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vllm_dspark.cli import main as cli_main
+
+    sys.exit(cli_main(["draft", *sys.argv[1:]]))

@@ -35,8 +35,9 @@ from vllm_dspark.checkpoint import (
 )
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.layout import checkpoint_modules
-from vllm_dspark.vllm_load import write_target_config
 from vllm_dspark.presets import PRESETS, preset_config_json
+from vllm_dspark.safety import refuse_nonempty, staged
+from vllm_dspark.vllm_load import write_target_config
 
 __all__ = ["main", "make_random", "random_drafter_tensors", "random_lm_head", "random_tensor"]
 
@@ -100,9 +101,24 @@ def random_lm_head(config: K3DSparkConfig, *, seed: int) -> torch.Tensor:
     return random_tensor("lm_head.weight", (config.vocab_size, config.hidden_size), "linear", seed=seed)
 
 
-def make_random(out_dir: str | Path, preset: str, *, seed: int = 0, progress: bool = True) -> Path:
-    """Write a random drafter for ``preset`` (and its target heads under ``out_dir/target``)."""
+def make_random(
+    out_dir: str | Path, preset: str, *, seed: int = 0, progress: bool = True, overwrite: bool = False
+) -> Path:
+    """Write a random drafter for ``preset`` (and its target heads under ``out_dir/target``).
+
+    A non-empty ``out_dir`` is replaced only with ``overwrite``; the checkpoint is built beside it
+    and renamed into place when complete.
+    """
     out_dir = Path(out_dir)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an integer, got {seed!r}. Fix: pass a whole number.")
+    refuse_nonempty(out_dir, overwrite=overwrite, flag="--out")
+    with staged(out_dir, directory=True) as staging:
+        _write_random(staging, preset, seed=seed, progress=progress)
+    return out_dir
+
+
+def _write_random(out_dir: Path, preset: str, *, seed: int, progress: bool) -> None:
     config_json = preset_config_json(preset)
     config = K3DSparkConfig(**config_json)
     specs = checkpoint_modules(config)
@@ -130,7 +146,6 @@ def make_random(out_dir: str | Path, preset: str, *, seed: int = 0, progress: bo
     # A target config of the geometry the drafter expects, so that OUT/target stands in for the
     # target wherever only its config is read (vLLM's config building, the doctor's --target).
     write_target_config(config, target_dir)
-    return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,17 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", required=True, choices=list(PRESETS),
                         help="tiny / small: CPU-test sizes; "
                              "k3: the published shapes (6.6 GiB drafter + 2.3 GiB lm_head)")
-    parser.add_argument("--out", required=True, type=Path, help="output directory (created; its shards are replaced)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="output directory (created; built beside it and renamed into place)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--seed", type=int, default=0, help="random seed, an integer (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    try:
-        make_random(args.out, args.preset, seed=args.seed, progress=not args.quiet)
-    except OSError as e:
-        print(f"vllm-dspark make-random: error: cannot write {args.out}: {e}", file=sys.stderr)
-        return 2
+    make_random(args.out, args.preset, seed=args.seed, progress=not args.quiet, overwrite=args.overwrite)
     size = sum(p.stat().st_size for p in args.out.rglob("*.safetensors"))
     print(f"wrote {args.out} ({args.preset}, seed {args.seed}): {size / 2**30:.2f} GiB "
           f"in {time.perf_counter() - start:.1f} s; target heads in {args.out / 'target'}")
@@ -161,4 +174,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vllm_dspark.cli import main as cli_main
+
+    sys.exit(cli_main(["make-random", *sys.argv[1:]]))

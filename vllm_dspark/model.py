@@ -62,6 +62,7 @@ from vllm.platforms import current_platform
 from vllm_dspark.attention import build_latent_attention, rotate_pe
 from vllm_dspark.layout import FUSED_GROUPS, checkpoint_modules
 from vllm_dspark.quant_plan import QuantPlan, QuantPlanError, is_stray, resolve_checkpoint, vllm_quantization_config
+from vllm_dspark.safety import invalid_scale_count
 
 if TYPE_CHECKING:
     from vllm.config import CacheConfig
@@ -478,6 +479,10 @@ class K3DSparkForCausalLM(nn.Module):
                     f"num_hidden_layers={self.config.num_hidden_layers}, enable_confidence_head="
                     f"{self.config.enable_confidence_head}). Fix: use the config.json written with these weights."
                 )
+            if param_name.endswith("scale") and (bad := invalid_scale_count(tensor)):
+                raise ValueError(f"checkpoint tensor {name!r}: {bad} of {tensor.numel()} scale values are NaN, "
+                                 "infinite, zero or negative. Fix: re-quantize the BF16 checkpoint with "
+                                 "`vllm-dspark quantize`.")
             for path, shard in routes:
                 target = f"{path}.{param_name}"
                 param = params.get(target)

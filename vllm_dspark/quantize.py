@@ -56,6 +56,7 @@ from vllm_dspark.checkpoint import (
 )
 from vllm_dspark.layout import FP8_RECIPE, QUANTIZABLE_KINDS, ModuleSpec, checkpoint_modules, fused_module_groups
 from vllm_dspark.quant_plan import QuantPlanError, resolve
+from vllm_dspark.safety import check_output, refuse_nonempty, require_finite, staged
 
 REPORT_NAME = "quantization_report"
 TARGET_DIR = "target"
@@ -65,7 +66,7 @@ _R = TypeVar("_R")
 
 
 class Refusal(ValueError):
-    """A request the quantizer turns down; ``main`` prints it and exits 2."""
+    """A request the quantizer turns down; ``vllm-dspark`` prints it as one line and exits 2."""
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,11 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
 
 def _read(source: StoredTensor, key: str) -> torch.Tensor:
     with safe_open(str(source.shard), framework="pt") as f:
-        return f.get_tensor(key)
+        tensor = f.get_tensor(key)
+    # A NaN or Inf weight would quantize to NaN scales: refuse it by name instead.
+    require_finite(tensor, f"source tensor {key} in {source.shard}",
+                   "repair or re-export the BF16 checkpoint; quantization cannot represent NaN or Inf")
+    return tensor
 
 
 def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
@@ -242,22 +247,6 @@ def _quantize(item: _Item, device: str, global_scales: dict[str, torch.Tensor]) 
         snr_db=formats.weight_snr_db(weight, parts, item.fmt),
     )
     return {k: v.cpu() for k, v in parts.items()}, stats
-
-
-def _prepare_output(model_dir: Path, output_dir: Path, overwrite: bool) -> Path:
-    """Refuse a bad output dir; return the sibling staging dir the checkpoint is written into."""
-    if output_dir.resolve() == model_dir.resolve() or model_dir.resolve() in output_dir.resolve().parents:
-        raise Refusal(f"--output_dir {output_dir} is (inside) the input --model_dir; write the quantized "
-                      "checkpoint somewhere else.")
-    if output_dir.exists() and not output_dir.is_dir():
-        raise Refusal(f"--output_dir {output_dir} exists and is not a directory.")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
-        raise Refusal(f"--output_dir {output_dir} exists and is not empty; pass --overwrite to replace its "
-                      "contents, or choose another directory.")
-    staging = output_dir.parent / f".{output_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    return staging
 
 
 def _copy_other_files(model_dir: Path, staging: Path) -> None:
@@ -336,7 +325,10 @@ def _write_quantized(plan: _Plan, staging: Path, fmt: str, device: str, workers:
     global_scales = _global_scales(items, device) if fmt == "nvfp4" else {}
 
     def work(item: _Item) -> tuple[dict[str, torch.Tensor], ModuleStats] | None:
-        return None if item.fmt is None else _quantize(item, device, global_scales)
+        if item.fmt is None:
+            _read(item.stored, item.key)  # copied bit-identical, but a non-finite one is refused all the same
+            return None
+        return _quantize(item, device, global_scales)
 
     results = _ordered_map(work, items, workers)
     modules: list[ModuleStats] = []
@@ -387,25 +379,21 @@ def quantize_checkpoint(
         raise Refusal(f"--workers must be at least 1, got {workers}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise Refusal("--device cuda, but torch sees no CUDA device; use --device cpu")
+    check_output(output_dir, [model_dir], flag="--output_dir")
+    refuse_nonempty(output_dir, overwrite=overwrite, flag="--output_dir")
     plan = _plan(model_dir, fmt, include_layers)
-    staging = _prepare_output(model_dir, output_dir, overwrite)
     threads = torch.get_num_threads()
     try:
         # Workers split the cores between them instead of each fanning out over all of them.
         torch.set_num_threads(max(1, threads // workers))
-        # Held for the whole run: the stance is process-global, and quantize_weight's own
-        # eager stance could otherwise lapse in one worker thread while another leaves it.
-        with torch.compiler.set_stance("force_eager"):
-            report = _write_quantized(plan, staging, fmt, device, workers, progress)
-        _copy_other_files(model_dir, staging)
-        (staging / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2) + "\n")
-        (staging / f"{REPORT_NAME}.md").write_text(_report_markdown(report))
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        staging.rename(output_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        with staged(output_dir, directory=True) as staging:
+            # Held for the whole run: the stance is process-global, and quantize_weight's own
+            # eager stance could otherwise lapse in one worker thread while another leaves it.
+            with torch.compiler.set_stance("force_eager"):
+                report = _write_quantized(plan, staging, fmt, device, workers, progress)
+            _copy_other_files(model_dir, staging)
+            (staging / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2) + "\n")
+            (staging / f"{REPORT_NAME}.md").write_text(_report_markdown(report))
     finally:
         torch.set_num_threads(threads)
     return report
@@ -434,12 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="tensors quantized in parallel (default 1)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir")
     args = parser.parse_args(argv)
-    try:
-        report = quantize_checkpoint(args.model_dir, args.output_dir, args.quant_format, args.include_layers,
-                                     device=args.device, workers=args.workers, overwrite=args.overwrite)
-    except (ValueError, OSError) as e:
-        print(f"vllm-dspark quantize: error: {e}", file=sys.stderr)
-        return 2
+    report = quantize_checkpoint(args.model_dir, args.output_dir, args.quant_format, args.include_layers,
+                                 device=args.device, workers=args.workers, overwrite=args.overwrite)
     o = report["overall"]
     print(f"quantized {o['modules_quantized']} modules to {args.quant_format}: {human_params(o['params_quantized'])} of "
           f"{human_params(o['params_total'])} params ({100 * o['fraction_quantized']:.0f} %), "
@@ -449,4 +433,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vllm_dspark.cli import main as cli_main
+
+    sys.exit(cli_main(["quantize", *sys.argv[1:]]))

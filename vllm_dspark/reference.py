@@ -36,6 +36,7 @@ from vllm_dspark.checkpoint import load_config, load_drafter_state_dict, load_ta
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.layout import tensor_shapes
 from vllm_dspark.rope import RotaryEmbedding, softmax_scale
+from vllm_dspark.safety import require_finite
 from vllm_dspark.sampling import markov_rollout
 
 __all__ = ["DraftOutput", "ReferenceDrafter"]
@@ -482,7 +483,7 @@ class ReferenceDrafter(nn.Module):
             context_mask: ``[B, T]`` bool, False marks padding; the block starts after the last
                 valid position of each request.
         """
-        self._check_draft_inputs(aux, context_positions, anchor_ids, context_mask)
+        self._check_draft_inputs(aux, context_positions, anchor_ids, context_mask, seeds)
         if context_mask is None:
             last = context_positions.max(dim=1).values
         else:
@@ -499,20 +500,31 @@ class ReferenceDrafter(nn.Module):
         return DraftOutput(rollout.tokens, rollout.logits, confidences, rollout.markov_embeds, hidden,
                            block_positions)
 
-    def _check_draft_inputs(self, aux, context_positions, anchor_ids, context_mask) -> None:
+    def _check_draft_inputs(self, aux, context_positions, anchor_ids, context_mask, seeds) -> None:
         c = self.config
         width = c.num_target_layers * c.target_hidden_size
         if aux.dim() != 3 or aux.shape[-1] != width:
             raise ValueError(f"aux_hidden_states must be [B, T, {width}] (num_target_layers {c.num_target_layers} x "
                              f"target_hidden_size {c.target_hidden_size}), got shape {tuple(aux.shape)}.")
         batch, num_context, _ = aux.shape
+        if batch < 1 or num_context < 1:
+            raise ValueError(f"aux_hidden_states has shape {tuple(aux.shape)}: every request needs at least one "
+                             "context token, and there must be at least one request.")
         if not aux.is_floating_point():
             raise ValueError(f"aux_hidden_states must be floating point, got {aux.dtype}.")
+        require_finite(aux, "aux_hidden_states", "pass the target's real hidden states; NaN or Inf would draft garbage")
         if tuple(context_positions.shape) != (batch, num_context) or context_positions.is_floating_point():
             raise ValueError(f"context_positions must be integer [B, T] = [{batch}, {num_context}], got "
                              f"{context_positions.dtype} {tuple(context_positions.shape)}.")
-        if bool((context_positions < 0).any()):
-            raise ValueError("context_positions must be >= 0.")
+        # The block runs to last + block_size, which must stay inside the rotary table.
+        top = c.max_position_embeddings - c.block_size
+        if bool(((context_positions < 0) | (context_positions >= top)).any()):
+            raise ValueError(f"context_positions must lie in [0, {top}) (max_position_embeddings "
+                             f"{c.max_position_embeddings} - block_size {c.block_size}, so the block fits), got "
+                             f"values from {int(context_positions.min())} to {int(context_positions.max())}.")
+        if seeds is not None and (seeds.is_floating_point() or seeds.dtype == torch.bool):
+            raise ValueError(f"seeds must be integers (int64), got {seeds.dtype}. Fix: store them as int64; a "
+                             "float seed would be truncated silently.")
         if tuple(anchor_ids.shape) != (batch,) or anchor_ids.is_floating_point():
             raise ValueError(f"anchor_ids must be integer [B] = [{batch}], got {anchor_ids.dtype} "
                              f"{tuple(anchor_ids.shape)}.")

@@ -15,11 +15,13 @@ It stands in for only what an engine would provide and a CPU machine lacks:
 - the target is :class:`TargetHeads`, holding only what the drafter shares with it
   (``model.embed_tokens`` and ``lm_head`` as vLLM's own layers, from the drafter's ``target/``
   heads file), and its config is a small DeepSeek-V3 MLA config of the drafter's target geometry
-  (:func:`write_target_config`) unless a real target config directory is given.
+  (:func:`write_target_config`, into a temporary folder: a loader never writes into a checkpoint)
+  unless a real target config directory is given.
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,16 +121,19 @@ def load_with_vllm(draft_dir: str | Path, *, target_dir: str | Path | None = Non
     from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
 
-    from vllm_dspark.checkpoint import load_config
+    from vllm_dspark.checkpoint import checked_weight_map, load_config
     from vllm_dspark.cpu_runtime import ensure_single_process_runtime
 
     vllm_dspark.register()
     draft_dir = Path(draft_dir)
-    if target_dir is None:
-        target_dir = write_target_config(load_config(draft_dir), draft_dir / "target")
-    vllm_config = engine_config(target_dir, draft_dir, dtype=dtype, **speculative)
-    with set_current_vllm_config(vllm_config), _without_v1_runner_check():
-        ensure_single_process_runtime()
-        target = TargetHeads(heads_file or draft_dir / TARGET_HEADS, vllm_config.model_config.dtype)
-        model = load_dspark_model(target, vllm_config)
+    config = load_config(draft_dir)
+    checked_weight_map(draft_dir)  # a missing or truncated shard is one ValueError naming it, not a loader traceback
+    with tempfile.TemporaryDirectory(prefix="vllm-dspark-target-") as stand_in:
+        if target_dir is None:
+            target_dir = write_target_config(config, stand_in)
+        vllm_config = engine_config(target_dir, draft_dir, dtype=dtype, **speculative)
+        with set_current_vllm_config(vllm_config), _without_v1_runner_check():
+            ensure_single_process_runtime()
+            target = TargetHeads(heads_file or draft_dir / TARGET_HEADS, vllm_config.model_config.dtype)
+            model = load_dspark_model(target, vllm_config)
     return Served(model, vllm_config, target)

@@ -7,11 +7,13 @@ import argparse
 import re
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import vllm_dspark.drift as drift_pkg
 from vllm_dspark.layout import FP8_RECIPE
+from vllm_dspark.safety import check_output, staged
 
 DEFAULT_SWEEP: tuple[int, ...] = (1 << 10, 1 << 12, 1 << 14, 1 << 15, 1 << 16, 1 << 17, 1 << 18, 1 << 19, 1023 << 10)
 
@@ -66,8 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("vllm-dspark eval: error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
-        return 2
+        raise ValueError("--device cuda, but torch sees no CUDA device. Fix: use --device cpu.")
     from vllm_dspark.drift.harness import EvalSpec, run
     from vllm_dspark.drift.report import ceiling_summary, write_report
 
@@ -78,18 +79,24 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed, device=args.device, corpus=args.corpus, tokenizer=args.tokenizer, target=args.target,
         include_layers=tuple(args.include_layers), resamples=args.resamples, progress=not args.no_progress,
     )
-    t0 = time.perf_counter()
-    try:
+    out = Path(args.out)
+    checkpoints = [v for v in args.variants if Path(v).exists()]  # not the built-in names (bf16, fp8, ...)
+    check_output(out, [args.model, *checkpoints, args.corpus, args.tokenizer, args.target], flag="--out")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory. Fix: pass a results directory.")
+    # Staged from the start: an unwritable --out fails now, not after the run, and an interrupted or
+    # failed run leaves no truncated results.json.
+    with staged(out, directory=True, merge=True) as staging:
+        t0 = time.perf_counter()
         results = run(spec)
-    except ValueError as e:
-        print(f"vllm-dspark eval: error: {e}", file=sys.stderr)
-        return 2
-    results["timing"]["total_s"] = time.perf_counter() - t0
-    files = write_report(results, args.out)
+        results["timing"]["total_s"] = time.perf_counter() - t0
+        files = [out / f.name for f in write_report(results, staging)]
     print(ceiling_summary(results))
     print("\n".join(f"wrote {f}" for f in files))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vllm_dspark.cli import main as cli_main
+
+    sys.exit(cli_main(["eval", *sys.argv[1:]]))

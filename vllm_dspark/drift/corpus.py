@@ -29,12 +29,28 @@ def byte_ids(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
 
 
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 def _ids_from_json(obj) -> np.ndarray:
-    if isinstance(obj, list) and obj and all(isinstance(doc, list) for doc in obj):
+    if isinstance(obj, list) and obj and all(isinstance(doc, list) and all(map(_is_id, doc)) for doc in obj):
         return np.concatenate([np.asarray(doc, dtype=np.int64) for doc in obj])
-    if isinstance(obj, list) and all(isinstance(t, int) for t in obj):
+    if isinstance(obj, list) and all(map(_is_id, obj)):
         return np.asarray(obj, dtype=np.int64)
-    raise ValueError("a .json corpus must be a list of token ids or a list of lists of token ids")
+    raise ValueError("a .json corpus must be a list of integer token ids or a list of lists of them "
+                     "(a float would be truncated to a different id)")
+
+
+def _ids_from_npy(path: Path) -> np.ndarray:
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as e:
+        raise ValueError(f"{path} is not a .npy array file ({e}). Fix: save the token ids with numpy.save") from None
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{path} holds {ids.dtype} values, not integer token ids (a float would be truncated to a "
+                         "different id). Fix: save the token ids as an integer array, e.g. np.int64")
+    return ids.astype(np.int64).ravel()
 
 
 def _ids_from_txt(text: str, path: Path) -> np.ndarray:
@@ -60,6 +76,9 @@ def load_corpus(path: str | Path | None = None, *, tokenizer: str | Path | None 
         source = f"default corpus {DEFAULT_CORPUS.name} ({len(ids)} UTF-8 bytes as ids)"
     else:
         path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"--corpus {path} {'is a directory' if path.is_dir() else 'does not exist'}. Fix: pass a "
+                             ".npy / .json / .txt file of token ids, or a text file with --tokenizer DIR")
         if tokenizer is not None:
             from transformers import AutoTokenizer
 
@@ -67,13 +86,13 @@ def load_corpus(path: str | Path | None = None, *, tokenizer: str | Path | None 
             ids = np.asarray(tok.encode(path.read_text(encoding="utf-8"), add_special_tokens=False), dtype=np.int64)
             source = f"{path} tokenized with {tokenizer}"
         elif path.suffix == ".npy":
-            ids = np.load(path).astype(np.int64).ravel()
+            ids = _ids_from_npy(path)
             source = str(path)
         elif path.suffix == ".json":
-            ids = _ids_from_json(json.loads(path.read_text()))
+            ids = _ids_from_json(json.loads(path.read_text(encoding="utf-8")))
             source = str(path)
         elif path.suffix == ".txt":
-            ids = _ids_from_txt(path.read_text(), path)
+            ids = _ids_from_txt(path.read_text(encoding="utf-8"), path)
             source = str(path)
         else:
             raise ValueError(f"{path}: unsupported corpus file; use .npy, .json or .txt token ids, "

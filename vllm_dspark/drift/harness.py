@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import gc
 import platform
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from vllm_dspark.drift.regimes import HEAVY_SIGMA, REGIMES, boot_aux, synthetic_
 from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules, fused_module_groups, tensor_shapes
 from vllm_dspark.quant_plan import resolve_checkpoint
 from vllm_dspark.reference import ReferenceDrafter
+from vllm_dspark.safety import require_finite, spill_dir
 from vllm_dspark.sampling import markov_rollout
 from vllm_dspark.version import __version__
 
@@ -191,7 +191,24 @@ def variant_label(name: str) -> str:
     return name if name in BUILTIN_VARIANTS else Path(name).name
 
 
-def load_variant(name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads) -> tuple[ReferenceDrafter, str]:
+def check_same_model(name: str, state_dict: dict[str, torch.Tensor], quantized: Container[str],
+                     reference: ReferenceDrafter) -> None:
+    """Refuse a variant whose unquantized tensors (modules not in ``quantized``) differ from the reference's.
+
+    Compared in the variant's loaded dtype, to which both sides were cast the same way.
+    """
+    ours = reference.state_dict()
+    differ = [key for key, tensor in state_dict.items()
+              if key.rpartition(".")[0] not in quantized and key in ours
+              and not torch.equal(tensor, ours[key].to(tensor.device, tensor.dtype))]
+    if differ:
+        raise ValueError(f"variant {name} is not a build of the reference: {len(differ)} unquantized tensor(s) differ "
+                         f"from the reference's ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}). Fix: "
+                         "quantize the --model checkpoint itself, or pass the --model it was quantized from.")
+
+
+def load_variant(name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads,
+                 reference: ReferenceDrafter) -> tuple[ReferenceDrafter, str]:
     """A BF16-computed variant and a description of where its weights came from."""
     if name in formats.FORMATS or name == "bf16":
         _, state_dict = load_drafter_state_dict(spec.model, dtype=torch.bfloat16)
@@ -205,7 +222,9 @@ def load_variant(name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads
         state_dict.pop("embed_tokens.weight", None)
         if tensor_shapes(variant_config) != tensor_shapes(config):
             raise ValueError(f"variant {name} is not a build of {spec.model}: its config implies different shapes")
-        stored = sorted(set(resolve_checkpoint(name).modules.values()))
+        plan = resolve_checkpoint(name)
+        check_same_model(name, state_dict, plan.modules, reference)
+        stored = sorted(set(plan.modules.values()))
         source = f"checkpoint {name} ({'quantized: ' + ', '.join(stored) if stored else 'unquantized'}), in BF16"
     else:
         raise ValueError(f"unknown variant {name!r}: use one of {', '.join(BUILTIN_VARIANTS)} "
@@ -232,6 +251,10 @@ def confidence(drafter: ReferenceDrafter, hidden: torch.Tensor, markov_embeds: t
     return drafter.confidence(hidden, markov_embeds).float()
 
 
+_NON_FINITE_FIX = ("its weights or the target heads hold NaN or Inf values, or scales overflow: run `vllm-dspark "
+                   "check` on it and re-export or re-quantize it")
+
+
 @dataclass
 class ReferenceCell:
     """The reference's results on one cell's blocks: all the harness keeps of them."""
@@ -251,6 +274,7 @@ def reference_cell(reference: ReferenceDrafter, cell_batches: Iterator[Batch], s
     for batch in cell_batches:
         hidden, logits = backbone(reference, batch, absorbed=False)
         rollout = markov_rollout(logits, batch.anchors, reference.markov_embed, reference.markov_bias)
+        require_finite(rollout.logits, "the reference's logits", _NON_FINITE_FIX)
         out.logits[batch.ids[0] : batch.ids[-1] + 1] = rollout.logits.cpu().numpy()
         out.tokens.append(rollout.tokens)
         out.conf.append(confidence(reference, hidden, rollout.markov_embeds))
@@ -269,7 +293,7 @@ def _divergence(ref_logits: torch.Tensor, var_logits: torch.Tensor, rows: int = 
 
 @torch.inference_mode()
 def variant_cell(variant: ReferenceDrafter, reference: ReferenceDrafter, ref: ReferenceCell,
-                 cell_batches: Iterator[Batch], bar: tqdm) -> metrics.BlockRecords:
+                 cell_batches: Iterator[Batch], bar: tqdm, variant_name: str) -> metrics.BlockRecords:
     absorbed = variant is not reference
     parts = []
     for i, batch in enumerate(cell_batches):
@@ -281,6 +305,9 @@ def variant_cell(variant: ReferenceDrafter, reference: ReferenceDrafter, ref: Re
                                     forced_prev=forced)
         var_conf = confidence(variant, hidden, free.markov_embeds)
         del logits
+        # NaN logits argmax to token 0 on both sides: refused, so they never count as agreement.
+        for rollout in (free, forced_var):
+            require_finite(rollout.logits, f"variant {variant_name}'s logits", _NON_FINITE_FIX)
         div = _divergence(ref.batch_logits(batch).to(forced_var.logits.device), forced_var.logits)
         parts.append(metrics.BlockRecords(
             tf_agree=(forced_var.tokens == ref_tokens).cpu().numpy(),
@@ -345,13 +372,13 @@ def run(spec: EvalSpec) -> dict[str, Any]:
     total = spec.blocks * len(cells)
     results_cells: list[dict[str, Any]] = []
     sources: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="vllm-dspark-eval-") as spill_dir:
+    with spill_dir() as spill_root:
         t0 = time.perf_counter()
         ref_cells: dict[tuple[str, int], ReferenceCell] = {}
         with tqdm(total=total, desc="reference fp32", unit="block", disable=not spec.progress) as bar:
             for regime, position in cells:
                 cell_batches = batches(spec, config, blocks, regime, position)
-                spill = Path(spill_dir) / f"reference-{regime}-{position}.npy"
+                spill = spill_root / f"reference-{regime}-{position}.npy"
                 shape = (spec.blocks, config.block_size, config.vocab_size)
                 ref_cells[regime, position] = reference_cell(reference, cell_batches, spill, shape, bar)
         timing["reference_s"] = time.perf_counter() - t0
@@ -363,13 +390,13 @@ def run(spec: EvalSpec) -> dict[str, Any]:
             if name == SELF_CHECK:
                 variant, sources[label] = reference, "the reference itself (FP32 weights, FP32 compute)"
             else:
-                variant, sources[label] = load_variant(name, spec, config, heads)
+                variant, sources[label] = load_variant(name, spec, config, heads, reference)
             timing[f"load_{label}_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             with tqdm(total=total, desc=label, unit="block", disable=not spec.progress) as bar:
                 for regime, position in cells:
                     records = variant_cell(variant, reference, ref_cells[regime, position],
-                                           batches(spec, config, blocks, regime, position), bar)
+                                           batches(spec, config, blocks, regime, position), bar, label)
                     results_cells.append({"variant": label, "regime": regime, "position": position,
                                           "metrics": metrics.summarize(records, indices)})
             timing[f"eval_{label}_s"] = time.perf_counter() - t0

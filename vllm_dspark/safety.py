@@ -1,0 +1,237 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Users' files are sacred: the guards every tool shares.
+
+- :func:`check_output` refuses an output path that is, lies inside, contains or is one of the inputs;
+- :func:`staged` builds an output beside its target and renames it into place only when complete;
+  an exception (a failure, Ctrl-C, or SIGTERM under :func:`signals_raise`) removes it instead;
+- :func:`spill_dir` is a temporary folder for large scratch files, removed the same way;
+- staging and spill folders carry their writer's PID, so the next run removes those of a killed
+  process (SIGKILL leaves them behind) and says so;
+- :func:`require_finite` and :func:`invalid_scale_count` refuse NaN / Inf weights and unusable scales.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "Interrupted",
+    "check_output",
+    "describe_os_error",
+    "invalid_scale_count",
+    "refuse_nonempty",
+    "require_finite",
+    "signals_raise",
+    "spill_dir",
+    "staged",
+]
+
+_STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?:partial|old)-(?P<pid>\d+)$")
+_SPILL_PREFIX = "vllm-dspark-eval-"
+_SPILL_RE = re.compile(rf"^{_SPILL_PREFIX}(?P<pid>\d+)-")
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived while a tool ran (a ``BaseException``, like ``KeyboardInterrupt``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# ----- output paths -----
+
+
+def check_output(output: str | Path, inputs: Iterable[str | Path | None], *, flag: str) -> None:
+    """Refuse an ``output`` that is an input, lies inside one, or contains one (``ValueError``)."""
+    out = Path(output).resolve()
+    for given in inputs:
+        if given is None:
+            continue
+        source = Path(given).resolve()
+        if out == source:
+            relation = "is"
+        elif source in out.parents:
+            relation = "lies inside"
+        elif out in source.parents:
+            relation = "contains"
+        else:
+            continue
+        raise ValueError(f"{flag} {output} {relation} the input {given}; tools never write into their inputs. "
+                         f"Fix: choose an output path outside {given}.")
+
+
+def refuse_nonempty(output: Path, *, overwrite: bool, flag: str) -> None:
+    """Refuse to replace a non-file or a non-empty directory at ``output`` unless ``overwrite``."""
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"{flag} {output} exists and is not a directory. Fix: choose a directory path.")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ValueError(f"{flag} {output} exists and is not empty. Fix: pass --overwrite to replace it, or choose "
+                         "another directory.")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _sweep(folder: Path, pattern: re.Pattern[str], *, name: str | None = None) -> None:
+    """Remove the entries of ``folder`` that ``pattern`` names and whose writer's PID is gone."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if m is None or (name is not None and m.group("name") != name):
+            continue
+        pid = int(m.group("pid"))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        _remove(entry)
+        print(f"vllm-dspark: removed {entry}, left behind by an interrupted run (PID {pid} is gone)", file=sys.stderr)
+
+
+@contextmanager
+def staged(target: str | Path, *, directory: bool, merge: bool = False) -> Iterator[Path]:
+    """Yield a staging path beside ``target``; on success rename it into place, on any exception remove it.
+
+    ``directory``: the staging path is created as a folder; otherwise the caller writes a file there.
+    A finished folder replaces ``target`` (``merge``: its files replace theirs, others stay).
+    """
+    target = Path(target)
+    parent = target.parent
+    existing = next(p for p in (parent, *parent.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{existing} is a file, not a directory, so {target} cannot be written. Fix: choose an output "
+                         "path inside a directory.")
+    parent.mkdir(parents=True, exist_ok=True)
+    _sweep(parent, _STAGING_RE, name=target.name)
+    staging = parent / f".{target.name}.partial-{os.getpid()}"
+    _remove(staging)
+    if directory:
+        staging.mkdir()
+    try:
+        yield staging
+        if not directory or not target.exists():
+            os.replace(staging, target)
+        elif merge:
+            for child in staging.iterdir():
+                if (target / child.name).is_dir():
+                    shutil.rmtree(target / child.name)
+                os.replace(child, target / child.name)
+            staging.rmdir()
+        else:
+            old = parent / f".{target.name}.old-{os.getpid()}"
+            _remove(old)
+            os.replace(target, old)
+            os.replace(staging, target)
+            _remove(old)
+    except BaseException:
+        _remove(staging)
+        raise
+
+
+@contextmanager
+def spill_dir() -> Iterator[Path]:
+    """A scratch folder under ``$TMPDIR`` named for this process, removed on exit however it happens."""
+    root = Path(tempfile.gettempdir())
+    _sweep(root, _SPILL_RE)
+    with tempfile.TemporaryDirectory(prefix=f"{_SPILL_PREFIX}{os.getpid()}-") as path:
+        yield Path(path)
+
+
+@contextmanager
+def signals_raise() -> Iterator[list[int]]:
+    """Turn SIGINT and SIGTERM into :class:`Interrupted`, so every ``staged`` and ``spill_dir`` cleans up.
+
+    Yields the signals received: a library that converts errors raised inside its C code (torch
+    does) may deliver the interrupt as another exception type, and the caller still knows.
+    """
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+_OS_FIXES = {
+    errno.EACCES: "fix the permissions of that path, or choose one you can access",
+    errno.EPERM: "fix the permissions of that path, or choose one you can access",
+    errno.EROFS: "that filesystem is read-only: choose a writable location",
+    errno.ENOSPC: "free space on that disk, or write somewhere with room",
+    errno.EDQUOT: "free space within your disk quota, or write somewhere with room",
+    errno.ENOENT: "check the path",
+    errno.EISDIR: "pass a file path, not a directory",
+    errno.ENOTDIR: "a component of that path is a file: pass a directory path",
+    errno.ENAMETOOLONG: "use a shorter path",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line naming the path, what went wrong, and the fix."""
+    where = f" {e.filename}" if e.filename else ""
+    if e.filename2:
+        where += f" -> {e.filename2}"
+    problem = (e.strerror or str(e)).lower()
+    fix = _OS_FIXES.get(e.errno, "check the path and the disk")
+    return f"{problem}:{where}. Fix: {fix}."
+
+
+# ----- finite values -----
+
+
+def require_finite(tensor: torch.Tensor, name: str, fix: str) -> None:
+    """Raise ``ValueError`` naming ``name`` if ``tensor`` holds NaN or Inf."""
+    if tensor.is_floating_point():
+        bad = tensor.numel() - int(torch.isfinite(tensor).sum())
+        if bad:
+            raise ValueError(f"{name}: {bad} of {tensor.numel()} values are NaN or infinite. Fix: {fix}.")
+
+
+def invalid_scale_count(scale: torch.Tensor) -> int:
+    """How many entries of a quantization scale tensor cannot dequantize a weight.
+
+    The dtype says the kind: ``uint8`` is MXFP4's E8M0 exponent (255 encodes NaN); FP8 is NVFP4's
+    per-group scale (zero is valid for an all-zero group); any other float scale (FP8 channel,
+    NVFP4 global) must be finite and positive.
+    """
+    if scale.dtype == torch.uint8:
+        return int((scale == 255).sum())
+    values = scale.float()
+    positive = values >= 0 if scale.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else values > 0
+    return int((~torch.isfinite(values) | ~positive).sum())
