@@ -315,7 +315,7 @@ def test_eval_reads_builds_through_the_resolver(encodings, builds, tiny_checkpoi
 
     with pytest.raises(ValueError, match="is quantized; --model must be the unquantized drafter"):
         load_reference(EvalSpec(model=str(encodings("fp8", "linear-class"))))
-    config, _, heads = load_reference(EvalSpec(model=str(tiny_checkpoint)))
+    config, reference, heads = load_reference(EvalSpec(model=str(tiny_checkpoint)))
     _, source = load_variant(str(encodings("fp8", "include-layer-suffixes")), EvalSpec(model=str(tiny_checkpoint)),
-                             config, heads)
+                             config, heads, reference)
     assert "(quantized: fp8), in BF16" in source
