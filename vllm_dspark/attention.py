@@ -37,6 +37,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.platforms import current_platform
+from vllm.triton_utils import HAS_TRITON
 
 from vllm_dspark.rope import apply_rotary_interleaved, softmax_scale
 
@@ -239,6 +240,18 @@ class TorchLatentAttention(nn.Module):
         return out.flatten(1)
 
 
+def _k3_mla_arguments(config: K3DSparkConfig, cache_config: CacheConfig, quant_config: QuantizationConfig | None,
+                      prefix: str) -> dict[str, Any]:
+    """Kimi-K3 ``MultiHeadLatentAttention``'s arguments for a DSpark draft layer (RoPE, non-causal block)."""
+    return dict(
+        config=config, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
+        qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim, q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
+        cache_config=cache_config, quant_config=quant_config, prefix=prefix, use_rope=True,
+        non_causal_multi_token_decode=True,
+    )
+
+
 def build_latent_attention(
     *,
     config: K3DSparkConfig,
@@ -251,23 +264,15 @@ def build_latent_attention(
     ``prefix`` is the layer's runtime name (``model.layers.{target_layers + i}.self_attn``): the
     KV-cache layer name and the prefix quantization matches against.
     """
+    if current_platform.is_cpu() and HAS_TRITON:
+        # A CPU engine with Triton (its interpreter) runs vLLM's dspark speculator: the GPU layer
+        # on TRITON_MLA. Without Triton no CPU engine can, and the torch layer serves loading.
+        from vllm_dspark.attention_cpu import K3DSparkCPUMLA
+
+        return K3DSparkCPUMLA(**_k3_mla_arguments(config, cache_config, quant_config, prefix))
     if current_platform.is_cuda_alike():
         # Imported here: the Kimi-K3 MLA module pulls in CUDA kernels and cute-dsl.
         from vllm_dspark.attention_cuda import K3DSparkMLA
 
-        return K3DSparkMLA(
-            config=config,
-            hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads,
-            qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.qk_rope_head_dim,
-            v_head_dim=config.v_head_dim,
-            q_lora_rank=config.q_lora_rank,
-            kv_lora_rank=config.kv_lora_rank,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            prefix=prefix,
-            use_rope=True,
-            non_causal_multi_token_decode=True,
-        )
+        return K3DSparkMLA(**_k3_mla_arguments(config, cache_config, quant_config, prefix))
     return TorchLatentAttention(config=config, cache_config=cache_config, quant_config=quant_config, prefix=prefix)
