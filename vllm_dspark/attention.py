@@ -9,15 +9,16 @@ registers itself as an attention layer, reports the target's MLA KV-cache spec (
 layers in the target's KV-cache group, and it runs the non-causal query block on the selected MLA
 backend (TRITON_MLA on Hopper, FLASHINFER_MLA on Blackwell).
 
-That layer cannot run anywhere else: its decode and prefill epilogues are fused CUDA kernels
-(``fused_mla_decode_q_concat_kv_cache_insert``, ``fused_q_kv_rmsnorm``, the MLA prefill backends),
-and the CPU MLA backend supports only a 576-wide latent and has no non-causal decode. On other
-platforms :class:`TorchLatentAttention` takes its place: the same submodules under the same names (so
-checkpoints load identically and quantization matches the same runtime prefixes) and the same math
-in plain torch, over a paged latent cache of the same layout. vLLM runs ``method="dspark"`` only in
-its GPU model runner, so nothing on CPU allocates that cache: tests bind one with
-:meth:`TorchLatentAttention.bind_kv_cache` and pass :class:`LatentAttentionMetadata` through
-vLLM's forward context, exactly where the GPU layer finds its metadata.
+On CPU, vLLM runs ``method="dspark"`` only in Model Runner V2, which needs Triton (there, its
+interpreter: no registry carries triton-cpu). Where Triton is present, the draft layers are the same
+Kimi-K3 layer with CPU stand-ins for its fused CUDA decode epilogue and backend
+(:mod:`vllm_dspark.attention_cpu`). Without Triton no CPU engine can run dspark, and
+:class:`TorchLatentAttention` takes the layer's place for loading and testing the drafter outside an
+engine: the same submodules under the same names (so checkpoints load identically and quantization
+matches the same runtime prefixes) and the same math in plain torch, over a paged latent cache of the
+same layout, which tests bind with :meth:`TorchLatentAttention.bind_kv_cache`, passing
+:class:`LatentAttentionMetadata` through vLLM's forward context, exactly where the GPU layer finds its
+metadata.
 """
 
 from __future__ import annotations
@@ -259,7 +260,8 @@ def build_latent_attention(
     quant_config: QuantizationConfig | None,
     prefix: str,
 ) -> nn.Module:
-    """The attention of one draft layer: vLLM's Kimi-K3 MLA on GPUs, :class:`TorchLatentAttention` elsewhere.
+    """One draft layer's attention: vLLM's Kimi-K3 MLA (on CPU with Triton, its CPU variant), else
+    :class:`TorchLatentAttention`.
 
     ``prefix`` is the layer's runtime name (``model.layers.{target_layers + i}.self_attn``): the
     KV-cache layer name and the prefix quantization matches against.
