@@ -154,15 +154,18 @@ def _describe(worker) -> dict:
         s = layers[name].get_kv_cache_spec(runner.vllm_config)
         return [type(s).__name__, s.head_size, s.page_size_bytes, getattr(s, "non_causal_multi_token_decode", None)]
 
-    quant = {}
+    quant, kernels = {}, set()
     for name, module in drafter.named_modules():
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(module, "input_size"):
             scheme = getattr(module, "scheme", None)
             quant[name] = type(scheme).__name__ if scheme is not None else type(method).__name__
+            if hasattr(scheme, "linear_kernel"):
+                kernels.add(type(scheme.linear_kernel).__name__)
     shared = next((g for g in groups if set(draft_layers) <= set(g)), [])
     target_layers = [name for name in shared if name not in draft_layers]
     return {"class": type(drafter).__name__, "draft_layers": draft_layers, "groups": groups, "quant": quant,
+            "quant_kernels": sorted(kernels),
             "attention": sorted({type(layers[n]).__name__ + "/" + layers[n].get_attn_backend().get_name()
                                  for n in draft_layers}),
             "draft_specs": [spec(n) for n in draft_layers], "target_specs": [spec(n) for n in target_layers],

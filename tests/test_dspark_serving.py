@@ -209,6 +209,9 @@ def test_fp8_drafter_runs_fp8_on_exactly_the_six_kinds(served) -> None:
         for kind in ("self_attn.q_b_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     }
     assert fp8 == expected, quant
+    # On CPU through the plugin's W8A16 kernel (vLLM has none there), on GPUs through vLLM's own.
+    kernels = served["results"]["fp8"]["worker"]["quant_kernels"]
+    assert (kernels == ["CPUDequantFP8W8A16LinearKernel"]) == (served["results"]["platform"] == "cpu"), kernels
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8"])
