@@ -37,6 +37,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "register": Benchmark(
         "benchmarks.register_overhead", "plugin import + register() cost per vLLM process",
         "register_overhead", "Plugin cost per vLLM process"),
+    "e2e-cpu": Benchmark(
+        "benchmarks.e2e_cpu", "vLLM's dspark speculator end to end on CPU (Triton interpreter): counters, tok/s",
+        "e2e_cpu", "vLLM's `dspark` speculator end to end on CPU (tiny random models, Triton interpreter)",
+        in_all=False),
     "drift": Benchmark(
         "benchmarks.drift", "drift report at real shapes: table with CIs under 2 pp, plots (~55 min)",
         "drift", "Drift of each format from the FP32 reference at real shapes (`k3` preset, random weights)",

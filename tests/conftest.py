@@ -79,3 +79,12 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def dspark_models(tmp_path_factory: pytest.TempPathFactory):
+    """The end-to-end models of ``tests/dspark_e2e.py``: a random 8-layer DeepSeek-V3 MLA target with a
+    word-level tokenizer (``w4 .. w4095``), a 2-layer drafter made ``--like`` it, and its FP8 build."""
+    from tests.dspark_e2e import build_models
+
+    return build_models(tmp_path_factory.mktemp("dspark_models"))

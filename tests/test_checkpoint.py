@@ -321,3 +321,35 @@ def test_target_heads_errors(tiny_checkpoint: Path, tmp_path: Path) -> None:
     shutil.copytree(tiny_checkpoint, lonely, ignore=shutil.ignore_patterns("target"))
     with pytest.raises(ValueError, match="no target given"):
         ReferenceDrafter.from_pretrained(lonely)
+
+
+def test_make_random_like_takes_the_targets_geometry_and_heads(tiny_llama_target, tmp_path, capsys) -> None:
+    """``make-random --like``: an MLA target's sizes and its own heads; a non-MLA target is one line."""
+    import json
+
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from vllm_dspark.checkpoint import load_config, load_target_heads
+    from vllm_dspark.make_random import aux_layer_ids, main
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=8, first_k_dense_replace=8, num_attention_heads=2,
+                              num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+                              qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1, tie_word_embeddings=False)
+    DeepseekV3ForCausalLM(config).save_pretrained(tmp_path / "target")
+    assert main(["--like", str(tmp_path / "target"), "--out", str(tmp_path / "drafter"), "--num-layers", "2",
+                 "--quiet"]) == 0
+    drafter = load_config(tmp_path / "drafter")
+    assert (drafter.hidden_size, drafter.target_hidden_size, drafter.target_num_hidden_layers, drafter.vocab_size,
+            drafter.num_hidden_layers, drafter.target_kv_latent_dim) == (64, 64, 8, 512, 2, 48)
+    assert drafter.target_layer_ids == aux_layer_ids(8) == [1, 2, 4, 5, 6]
+    embed, lm_head = load_target_heads(tmp_path / "drafter" / "target")
+    want_embed, want_lm_head = load_target_heads(tmp_path / "target")
+    assert torch.equal(embed, want_embed) and torch.equal(lm_head, want_lm_head)
+    assert json.loads((tmp_path / "drafter" / "target" / "config.json").read_text())["num_hidden_layers"] == 8
+
+    capsys.readouterr()
+    assert main(["--like", str(tiny_llama_target), "--out", str(tmp_path / "bad"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "kv_lora_rank" in err and "MLA" in err

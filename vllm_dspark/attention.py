@@ -9,15 +9,16 @@ registers itself as an attention layer, reports the target's MLA KV-cache spec (
 layers in the target's KV-cache group, and it runs the non-causal query block on the selected MLA
 backend (TRITON_MLA on Hopper, FLASHINFER_MLA on Blackwell).
 
-That layer cannot run anywhere else: its decode and prefill epilogues are fused CUDA kernels
-(``fused_mla_decode_q_concat_kv_cache_insert``, ``fused_q_kv_rmsnorm``, the MLA prefill backends),
-and the CPU MLA backend supports only a 576-wide latent and has no non-causal decode. On other
-platforms :class:`TorchLatentAttention` takes its place: the same submodules under the same names (so
-checkpoints load identically and quantization matches the same runtime prefixes) and the same math
-in plain torch, over a paged latent cache of the same layout. vLLM runs ``method="dspark"`` only in
-its GPU model runner, so nothing on CPU allocates that cache: tests bind one with
-:meth:`TorchLatentAttention.bind_kv_cache` and pass :class:`LatentAttentionMetadata` through
-vLLM's forward context, exactly where the GPU layer finds its metadata.
+On CPU, vLLM runs ``method="dspark"`` only in Model Runner V2, which needs Triton (there, its
+interpreter: no registry carries triton-cpu). Where Triton is present, the draft layers are the same
+Kimi-K3 layer with CPU stand-ins for its fused CUDA decode epilogue and backend
+(:mod:`vllm_dspark.attention_cpu`). Without Triton no CPU engine can run dspark, and
+:class:`TorchLatentAttention` takes the layer's place for loading and testing the drafter outside an
+engine: the same submodules under the same names (so checkpoints load identically and quantization
+matches the same runtime prefixes) and the same math in plain torch, over a paged latent cache of the
+same layout, which tests bind with :meth:`TorchLatentAttention.bind_kv_cache`, passing
+:class:`LatentAttentionMetadata` through vLLM's forward context, exactly where the GPU layer finds its
+metadata.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.platforms import current_platform
+from vllm.triton_utils import HAS_TRITON
 
 from vllm_dspark.rope import apply_rotary_interleaved, softmax_scale
 
@@ -239,6 +241,18 @@ class TorchLatentAttention(nn.Module):
         return out.flatten(1)
 
 
+def _k3_mla_arguments(config: K3DSparkConfig, cache_config: CacheConfig, quant_config: QuantizationConfig | None,
+                      prefix: str) -> dict[str, Any]:
+    """Kimi-K3 ``MultiHeadLatentAttention``'s arguments for a DSpark draft layer (RoPE, non-causal block)."""
+    return dict(
+        config=config, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
+        qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim, q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
+        cache_config=cache_config, quant_config=quant_config, prefix=prefix, use_rope=True,
+        non_causal_multi_token_decode=True,
+    )
+
+
 def build_latent_attention(
     *,
     config: K3DSparkConfig,
@@ -246,28 +260,21 @@ def build_latent_attention(
     quant_config: QuantizationConfig | None,
     prefix: str,
 ) -> nn.Module:
-    """The attention of one draft layer: vLLM's Kimi-K3 MLA on GPUs, :class:`TorchLatentAttention` elsewhere.
+    """One draft layer's attention: vLLM's Kimi-K3 MLA (on CPU with Triton, its CPU variant), else
+    :class:`TorchLatentAttention`.
 
     ``prefix`` is the layer's runtime name (``model.layers.{target_layers + i}.self_attn``): the
     KV-cache layer name and the prefix quantization matches against.
     """
+    if current_platform.is_cpu() and HAS_TRITON:
+        # A CPU engine with Triton (its interpreter) runs vLLM's dspark speculator: the GPU layer
+        # on TRITON_MLA. Without Triton no CPU engine can, and the torch layer serves loading.
+        from vllm_dspark.attention_cpu import K3DSparkCPUMLA
+
+        return K3DSparkCPUMLA(**_k3_mla_arguments(config, cache_config, quant_config, prefix))
     if current_platform.is_cuda_alike():
         # Imported here: the Kimi-K3 MLA module pulls in CUDA kernels and cute-dsl.
         from vllm_dspark.attention_cuda import K3DSparkMLA
 
-        return K3DSparkMLA(
-            config=config,
-            hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads,
-            qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.qk_rope_head_dim,
-            v_head_dim=config.v_head_dim,
-            q_lora_rank=config.q_lora_rank,
-            kv_lora_rank=config.kv_lora_rank,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            prefix=prefix,
-            use_rope=True,
-            non_causal_multi_token_decode=True,
-        )
+        return K3DSparkMLA(**_k3_mla_arguments(config, cache_config, quant_config, prefix))
     return TorchLatentAttention(config=config, cache_config=cache_config, quant_config=quant_config, prefix=prefix)

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The K3 DSpark draft layers' attention on CUDA/ROCm: vLLM's Kimi-K3 MLA layer.
+"""The K3 DSpark draft layers' attention in an engine: vLLM's Kimi-K3 MLA layer.
 
-Imported only on those platforms (by :func:`vllm_dspark.attention.build_latent_attention`): the
-Kimi-K3 MLA module imports fused CUDA kernels and cute-dsl at module level.
+Imported by :func:`vllm_dspark.attention.build_latent_attention` only where an engine can run it (CUDA,
+ROCm, or CPU with Triton through :mod:`vllm_dspark.attention_cpu`): the Kimi-K3 MLA module pulls in
+its fused-kernel wrappers and cute-dsl at module level.
 """
 
 from __future__ import annotations

