@@ -330,7 +330,11 @@ def test_make_random_like_takes_the_targets_geometry_and_heads(tiny_llama_target
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from vllm_dspark.checkpoint import load_config, load_target_heads
-    from vllm_dspark.make_random import aux_layer_ids, main
+    from vllm_dspark.cli import main as cli_main
+    from vllm_dspark.make_random import aux_layer_ids
+
+    def main(argv: list[str]) -> int:
+        return cli_main(["make-random", *argv])
 
     torch.manual_seed(0)
     config = DeepseekV3Config(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -353,3 +357,7 @@ def test_make_random_like_takes_the_targets_geometry_and_heads(tiny_llama_target
     assert main(["--like", str(tiny_llama_target), "--out", str(tmp_path / "bad"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "kv_lora_rank" in err and "MLA" in err
+    # The target is an input: the drafter is never written into it.
+    assert main(["--like", str(tmp_path / "target"), "--out", str(tmp_path / "target" / "d"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "lies inside the input" in err and not (tmp_path / "target" / "d").exists()

@@ -36,7 +36,7 @@ from vllm_dspark.checkpoint import (
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.layout import checkpoint_modules
 from vllm_dspark.presets import PRESETS, preset_config_json
-from vllm_dspark.safety import refuse_nonempty, staged
+from vllm_dspark.safety import check_output, refuse_nonempty, staged
 from vllm_dspark.vllm_load import write_target_config
 
 __all__ = [
@@ -213,6 +213,7 @@ def make_random_like(out_dir: str | Path, target_dir: str | Path, *, num_layers:
     if tuple(embed_tokens.shape) != (config.vocab_size, config.hidden_size):
         raise ValueError(f"target {target_dir}: embedding {tuple(embed_tokens.shape)} does not match its config "
                          f"(vocab_size {config.vocab_size}, hidden_size {config.hidden_size}).")
+    check_output(out_dir, [target_dir], flag="--out")
     refuse_nonempty(out_dir, overwrite=overwrite, flag="--out")
     tensors = (
         (name, embed_tokens.to(torch.bfloat16) if name == "embed_tokens.weight" else tensor)
