@@ -79,3 +79,20 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# logit_scale != 1 and mscale != mscale_all_dim: every preset has 1.0 and equal mscales, where a dropped
+# logit_scale, a swapped mscale or cos/sin left unscaled computes the same numbers as the right code.
+SKEWED_CONFIG = {"logit_scale": 1.75, "mscale": 1.0, "mscale_all_dim": 0.5}
+
+
+@pytest.fixture(scope="session")
+def skewed_checkpoint(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    """``tiny_checkpoint``'s weights under a config with ``SKEWED_CONFIG`` (the shard is linked, not copied)."""
+    from _vllm_drafter import variant
+
+    def skew(config: dict) -> None:
+        config["logit_scale"] = SKEWED_CONFIG["logit_scale"]
+        config["rope_parameters"].update(mscale=SKEWED_CONFIG["mscale"], mscale_all_dim=SKEWED_CONFIG["mscale_all_dim"])
+
+    return variant(tiny_checkpoint, tmp_path_factory.mktemp("skewed") / "drafter", skew)
