@@ -25,7 +25,11 @@ import torch
 
 from vllm_dspark.vllm_load import Served, load_with_vllm
 
-__all__ = ["Served", "load_drafter"]
+__all__ = ["SKEWED_CONFIG", "Served", "load_drafter"]
+
+# logit_scale != 1 and mscale != mscale_all_dim: every preset has 1.0 and equal mscales, where a dropped
+# logit_scale, a swapped mscale or cos/sin left unscaled computes the same numbers as the right code.
+SKEWED_CONFIG = {"logit_scale": 1.75, "mscale": 1.0, "mscale_all_dim": 0.5}
 
 
 def load_drafter(target_dir: Path, draft_dir: Path, *, dtype: str = "float32",

@@ -81,15 +81,10 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-# logit_scale != 1 and mscale != mscale_all_dim: every preset has 1.0 and equal mscales, where a dropped
-# logit_scale, a swapped mscale or cos/sin left unscaled computes the same numbers as the right code.
-SKEWED_CONFIG = {"logit_scale": 1.75, "mscale": 1.0, "mscale_all_dim": 0.5}
-
-
 @pytest.fixture(scope="session")
 def skewed_checkpoint(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
-    """``tiny_checkpoint``'s weights under a config with ``SKEWED_CONFIG`` (the shard is linked, not copied)."""
-    from _vllm_drafter import variant
+    """``tiny_checkpoint``'s weights under a config with ``_vllm_drafter.SKEWED_CONFIG`` (weights linked)."""
+    from _vllm_drafter import SKEWED_CONFIG, variant
 
     def skew(config: dict) -> None:
         config["logit_scale"] = SKEWED_CONFIG["logit_scale"]
