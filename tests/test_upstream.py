@@ -23,8 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 from _vllm_drafter import SKEWED_CONFIG, Served, bind_caches, load_drafter, make_batch, run_block
+from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
+from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
 from vllm_dspark.attention import rotate_pe
+from vllm_dspark.cpu_runtime import ensure_single_process_runtime
 from vllm_dspark.presets import preset_config
 from vllm_dspark.reference import MultiHeadLatentAttention as ReferenceMLA
 from vllm_dspark.reference import ReferenceDrafter
@@ -53,27 +56,26 @@ def served(tiny_mla_target: Path, skewed_checkpoint: Path) -> Served:
     return load_drafter(tiny_mla_target, skewed_checkpoint)
 
 
-def _vllm_mla(served: Served, rope_parameters: dict, rope_dim: int, name: str):
+def _vllm_mla(rope_parameters: dict, rope_dim: int) -> tuple:
     """vLLM's Kimi-K3 MLA layer with the K3 drafter's arguments (see ``build_latent_attention``)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
-
     tiny = preset_config("tiny")
     config = preset_config("tiny", qk_rope_head_dim=rope_dim, target_kv_latent_dim=tiny.kv_lora_rank + rope_dim,
                            rope_parameters=rope_parameters)
-    with set_current_vllm_config(served.vllm_config):
+    # A fresh VllmConfig per layer: the layer registers its name in the current config's forward context.
+    with set_current_vllm_config(VllmConfig()):
+        ensure_single_process_runtime()
         return config, MultiHeadLatentAttention(
             config=config, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
             qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
             v_head_dim=config.v_head_dim, q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
-            cache_config=served.vllm_config.cache_config, prefix=f"upstream.{name}.{rope_dim}.self_attn",
-            use_rope=True, non_causal_multi_token_decode=True,
+            cache_config=CacheConfig(), prefix="model.layers.0.self_attn", use_rope=True,
+            non_causal_multi_token_decode=True,
         )
 
 
 @pytest.mark.parametrize("rope", ["k3", "skewed"])
-def test_rotary_embedding_matches_vllm_up_to_1m_positions(served: Served, rope: str) -> None:
-    _, layer = _vllm_mla(served, ROPES[rope], 64, f"rope-{rope}")
+def test_rotary_embedding_matches_vllm_up_to_1m_positions(rope: str) -> None:
+    _, layer = _vllm_mla(ROPES[rope], 64)
     x = torch.randn(len(POSITIONS), 4, 64, generator=torch.Generator().manual_seed(1))  # [T, heads, rope]
     expected, _ = layer.rotary_emb.forward_native(POSITIONS, x.clone(), x[:, :1].clone())
     reference = RotaryEmbedding.from_rope_parameters(ROPES[rope], 64)(x, POSITIONS)
@@ -87,8 +89,8 @@ def test_rotary_embedding_matches_vllm_up_to_1m_positions(served: Served, rope: 
 
 
 @pytest.mark.parametrize("rope", list(ROPES))
-def test_softmax_scale_matches_vllms_mla_layer(served: Served, rope: str) -> None:
-    config, layer = _vllm_mla(served, ROPES[rope], 16, f"scale-{rope}")
+def test_softmax_scale_matches_vllms_mla_layer(rope: str) -> None:
+    config, layer = _vllm_mla(ROPES[rope], 16)
     qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     # Both sides are float64 scalar arithmetic on the same numbers: equal to rounding.
     assert softmax_scale(qk_head_dim, config.rope_parameters) == pytest.approx(layer.scale, rel=1e-12)
@@ -102,7 +104,7 @@ def test_softmax_scale_matches_vllms_mla_layer(served: Served, rope: str) -> Non
 def test_served_attention_uses_vllms_scale(served: Served) -> None:
     """The served CPU draft layers' scale, for the skewed drafter's own config."""
     config = served.model.config
-    _, layer = _vllm_mla(served, config.rope_parameters, config.qk_rope_head_dim, "served")
+    _, layer = _vllm_mla(config.rope_parameters, config.qk_rope_head_dim)
     assert all(draft.self_attn.scale == pytest.approx(layer.scale, rel=1e-12) for draft in served.model.model.layers)
 
 
@@ -116,7 +118,6 @@ def test_vllm_speculator_drafts_what_the_reference_drafts(served: Served, skewed
     The confidence head runs only under adaptive verification, which vLLM refuses without full CUDA
     graphs; ``use_confidence_head`` is set as ``load_draft_model`` would set it with it on.
     """
-    from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
     from vllm_dspark.vllm_load import _without_v1_runner_check
