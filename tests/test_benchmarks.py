@@ -46,7 +46,8 @@ def check_arithmetic(name: str, result: dict) -> None:
         assert rows
         for row in rows:
             n, k = map(int, row["shape"].split("x"))
-            (bf16,) = [r for r in rows if (r["module"], r["tokens"], r["path"]) == (row["module"], row["tokens"], "bf16")]
+            key = (row["module"], row["tokens"], "bf16")
+            (bf16,) = [r for r in rows if (r["module"], r["tokens"], r["path"]) == key]
             _close(row["vs bf16"], row["ms"] / bf16["ms"], f"{row['module']} {row['path']} vs bf16")
             _close(row["GB/s"], n * k * 2 / (row["ms"] / 1e3) / 1e9, f"{row['module']} {row['path']} GB/s")
     elif name == "quantizer":

@@ -9,7 +9,7 @@ the draft layers' attention is ``TorchLatentAttention`` instead of vLLM's Kimi-K
 paged latent caches to it and pass attention metadata through vLLM's forward context. Everything
 else (linears, norms, rotary table, Markov/confidence heads, logits processor, loader) is vLLM's.
 
-The ``skewed`` drafter (``conftest.SKEWED_CONFIG``: ``logit_scale`` 1.75, ``mscale`` 1.0 against
+The ``skewed`` drafter (``_vllm_drafter.SKEWED_CONFIG``: ``logit_scale`` 1.75, ``mscale`` 1.0 against
 ``mscale_all_dim`` 0.5) is also served at a 40000-token context, so its block sits past the YaRN
 boundary (``original_max_position_embeddings`` 32768) and every scale the presets leave at 1 counts.
 
