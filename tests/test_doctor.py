@@ -71,6 +71,14 @@ def test_leaving_num_speculative_tokens_out_is_fine(drafter) -> None:
 # --- num_speculative_tokens vs block_size ----------------------------------------------------
 
 
+@pytest.mark.parametrize(("offset", "expected"), [(-1, ["error"]), (0, []), (1, ["warning"])],
+                         ids=["block-1", "block", "block+1"])
+def test_num_speculative_tokens_at_the_block_boundary(drafter, offset: int, expected: list[str]) -> None:
+    n = drafter["block_size"] + offset
+    found = only(diagnose(spec(num_speculative_tokens=n), drafter=drafter), "num_speculative_tokens")
+    assert [f.severity for f in found] == expected
+
+
 def test_fewer_tokens_than_the_block_is_an_error(drafter) -> None:
     [f] = only(diagnose(spec(num_speculative_tokens=5), drafter=drafter), "num_speculative_tokens")
     assert f.severity == "error" and "garbage" in f.problem and '"num_speculative_tokens": 7' in f.fix
@@ -381,7 +389,7 @@ def test_hook_is_installed_once_by_the_plugin(tiny_mla_target) -> None:
 
 
 @pytest.mark.parametrize("overrides, kwargs, needle", [
-    ({"num_speculative_tokens": 5}, {}, "num_speculative_tokens: 5 is below the drafter's block_size 7"),
+    ({"num_speculative_tokens": 6}, {}, "num_speculative_tokens: 6 is below the drafter's block_size 7"),
     ({"kv_cache_dtype": "fp8"}, {}, "draft KV-cache dtype 'fp8' != target --kv-cache-dtype 'auto'"),
     ({"enable_adaptive_verification": True}, {"enforce_eager": True}, "needs full CUDA graphs"),
     ({"method": "draft_model"}, {}, "method 'draft_model' cannot run"),
@@ -398,6 +406,13 @@ def test_hook_lets_a_correct_config_through(tiny_mla_target, drafter_dir) -> Non
     sc = build_spec_config(engine_args(tiny_mla_target, spec(model=str(drafter_dir), attention_backend="TRITON_MLA")))
     assert sc.method == "dspark" and sc.num_speculative_tokens == 7
     assert type(sc.draft_model_config.hf_config).__module__ == "vllm_dspark.config"
+
+
+def test_hook_lets_one_token_past_the_block_through(tiny_mla_target, drafter_dir) -> None:
+    """block + 1 is a warning (wasted verification), not a refusal."""
+    sc = build_spec_config(engine_args(tiny_mla_target, spec(model=str(drafter_dir), num_speculative_tokens=8,
+                                                             attention_backend="TRITON_MLA")))
+    assert sc.num_speculative_tokens == 8
 
 
 def test_without_the_hook_vllm_accepts_the_garbage_config(tiny_mla_target, drafter_dir, monkeypatch) -> None:

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The drift harness end to end on the tiny and small presets, on CPU.
 
-What must hold whatever the (random) weights: the FP32 reference against itself is exact, BF16
+What must hold whatever the (random) weights: a second, independently loaded FP32 reference is exact, BF16
 drifts less than FP8, which drifts less than the 4-bit formats, and the CLI writes its report.
 """
 
@@ -15,7 +15,7 @@ import torch
 from vllm_dspark import cli
 from vllm_dspark.drift import corpus, regimes
 from vllm_dspark.drift.cli import main, parse_position
-from vllm_dspark.drift.harness import EvalSpec, run
+from vllm_dspark.drift.harness import EvalSpec, backbone, batches, load_reference, make_blocks, run
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +32,12 @@ def _cell(results, variant, regime, position=None):
     return cell["metrics"]
 
 
-def test_reference_against_itself_is_exact(tiny_checkpoint):
+def test_second_fp32_reference_is_exact(tiny_checkpoint):
     """Agreement 1 and KL 0 in every regime, also far into the YaRN range."""
     spec = EvalSpec(model=str(tiny_checkpoint), variants=("fp32",), blocks=12, batch_size=5, context_len=8,
                     positions=(1 << 17,), resamples=50, progress=False)
     results = run(spec)
+    assert "loaded independently" in results["config"]["variant_sources"]["fp32"]
     assert results["config"]["positions"] == [8, 1 << 17]
     assert len(results["cells"]) == 3 * 2
     for cell in results["cells"]:
@@ -99,7 +100,8 @@ def test_cli_rejects_bad_input(tiny_checkpoint, tmp_path, capsys):
 
 def test_quantized_checkpoint_directory_matches_the_on_the_fly_format(tiny_checkpoint, tmp_path):
     """A directory written by `vllm-dspark quantize` scores exactly like the same format made on the fly."""
-    quantize = pytest.importorskip("vllm_dspark.quantize")
+    from vllm_dspark import quantize
+
     out = tmp_path / "ckpt-fp8"
     argv = ["--model_dir", str(tiny_checkpoint), "--output_dir", str(out), "--quant_format", "fp8"]
     assert quantize.main(argv) in (0, None)
@@ -112,6 +114,37 @@ def test_quantized_checkpoint_directory_matches_the_on_the_fly_format(tiny_check
 
 
 # ----- inputs ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("regime", ["heavy", "boot"])
+def test_cell_inputs_are_pinned(tiny_checkpoint, regime):
+    """Cell (regime, P), block b: context at positions P - T .. P - 1 holding block b's aux states, anchor the
+    last token of b's corpus window, block at P .. P + N - 1, which is where the drafter puts a block after
+    that context."""
+    t, position = 8, 40000
+    spec = EvalSpec(model=str(tiny_checkpoint), regimes=(regime,), blocks=5, batch_size=3, context_len=t,
+                    positions=(position,), progress=False)
+    config, reference, _ = load_reference(spec)
+    blocks = make_blocks(spec, config, reference)
+    assert spec.all_positions() == [t, position]
+    n, layers, width = config.block_size, config.num_target_layers, config.target_hidden_size
+    for p in spec.all_positions():
+        cell = list(batches(spec, config, blocks, regime, p))
+        assert [b.ids.tolist() for b in cell] == [[0, 1, 2], [3, 4]]
+        for b in cell:
+            rows = len(b.ids)
+            assert torch.equal(b.context_positions, torch.arange(p - t, p).expand(rows, t))
+            assert torch.equal(b.block_positions, torch.arange(p, p + n).expand(rows, n))
+            assert torch.equal(b.anchors, blocks.windows[b.ids, t])
+            expected_aux = (regimes.boot_aux(reference, blocks.windows[b.ids, :t], layers) if regime == "boot"
+                            else regimes.synthetic_aux(regime, b.ids.tolist(), t, layers, width, spec.seed))
+            assert torch.equal(b.aux, expected_aux)
+    # What the harness scores is what the drafter drafts from those inputs.
+    b = next(batches(spec, config, blocks, regime, position))
+    hidden, _ = backbone(reference, b, absorbed=False)
+    drafted = reference.draft(b.aux, b.context_positions, b.anchors)
+    assert torch.equal(drafted.block_positions, b.block_positions)
+    torch.testing.assert_close(hidden, drafted.hidden, atol=0, rtol=0)
 
 
 def test_synthetic_aux_is_a_function_of_the_block_alone():

@@ -9,6 +9,10 @@ the draft layers' attention is ``TorchLatentAttention`` instead of vLLM's Kimi-K
 paged latent caches to it and pass attention metadata through vLLM's forward context. Everything
 else (linears, norms, rotary table, Markov/confidence heads, logits processor, loader) is vLLM's.
 
+The ``skewed`` drafter (``_vllm_drafter.SKEWED_CONFIG``: ``logit_scale`` 1.75, ``mscale`` 1.0 against
+``mscale_all_dim`` 0.5) is also served at a 40000-token context, so its block sits past the YaRN
+boundary (``original_max_position_embeddings`` 32768) and every scale the presets leave at 1 counts.
+
 Tolerance: both sides compute in FP32 from the same weights and differ only in operation order
 (fused add+norm, GEMM blocking, the paged gather), so hooks agree to ``atol = rtol = 1e-4``.
 """
@@ -32,6 +36,8 @@ from _vllm_drafter import (
 )
 
 FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
+# A 40000-token context: the second request's block (positions 40000 .. 40006) lies past 32768.
+LONG_CONTEXT = {"context_lens": (9, 40000), "block_size": 64}
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +50,18 @@ def reference(tiny_checkpoint: Path):
     from vllm_dspark.reference import ReferenceDrafter
 
     return ReferenceDrafter.from_pretrained(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def served_skewed(tiny_mla_target: Path, skewed_checkpoint: Path) -> Served:
+    return load_drafter(tiny_mla_target, skewed_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def reference_skewed(skewed_checkpoint: Path):
+    from vllm_dspark.reference import ReferenceDrafter
+
+    return ReferenceDrafter.from_pretrained(skewed_checkpoint)
 
 
 def _fresh_model(served: Served):
@@ -112,13 +130,28 @@ def test_every_hook_matches_the_fp32_reference(served: Served, reference) -> Non
     assert_hooks_match_reference(served, reference, **FP32_TOL)
 
 
+def test_skewed_drafter_at_a_long_context_matches_the_fp32_reference(served_skewed: Served, reference_skewed) -> None:
+    config = served_skewed.model.config
+    rope = config.rope_parameters
+    assert config.logit_scale != 1.0 and rope["mscale"] != rope["mscale_all_dim"]
+    batch = make_batch(config, **LONG_CONTEXT)
+    assert int(batch.block_positions(config.block_size).min(dim=1).values[1]) > rope["original_max_position_embeddings"]
+    assert_hooks_match_reference(served_skewed, reference_skewed, batch=batch, **FP32_TOL)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_drafted_block_matches_the_reference_draft(served: Served, reference, temperature: float) -> None:
+@pytest.mark.parametrize("drafter", ["tiny", "skewed-long-context"])
+def test_drafted_block_matches_the_reference_draft(request, drafter: str, temperature: float) -> None:
     """One speculator step end to end (hooks + the shared Markov rollout) drafts the reference's tokens."""
     from vllm_dspark.sampling import markov_rollout
 
+    if drafter == "tiny":
+        served, reference = request.getfixturevalue("served"), request.getfixturevalue("reference")
+        batch = make_batch(served.model.config, seed=1)
+    else:
+        served, reference = request.getfixturevalue("served_skewed"), request.getfixturevalue("reference_skewed")
+        batch = make_batch(served.model.config, seed=1, **LONG_CONTEXT)
     model, config = served.model, served.model.config
-    batch = make_batch(config, seed=1)
     bind_caches(model, batch, torch.float32)
     model.precompute_and_store_context_kv(model.combine_hidden_states(batch.aux), batch.context_positions,
                                           batch.context_slots)

@@ -94,18 +94,27 @@ def test_fp8_hooks_match_the_fp32_reference_of_the_same_checkpoint(served_fp8: S
     assert_hooks_match_reference(served_fp8, reference, **FP32_TOL)
 
 
-def test_fp8_served_in_bf16_stays_close_to_the_fp32_reference(tiny_mla_target: Path, fp8_checkpoint: Path) -> None:
-    """The serving dtype: FP8 weights dequantized to BF16, BF16 activations.
+# Relative L2 error of each hook, FP8 served in BF16 against the FP32 reference, about 3x what was
+# measured on the seed-0 batch this test uses (worst over batch seeds 0-3 in brackets). The heads that
+# run in FP32 or are table lookups are exact.
+BF16_HOOK_BOUNDS = {
+    "combine_hidden_states": 1.2e-2,  # measured 3.7e-3 (4.0e-3)
+    "context_latent": 8e-3,  # 2.6e-3 (2.8e-3)
+    "forward": 6e-2,  # 2.0e-2 (2.3e-2): five BF16 layers of attention and MLP
+    "compute_draft_logits": 5e-3,  # 1.6e-3 (1.7e-3)
+    "markov_embed": 0.0,  # 0: a BF16 table row, exact in FP32
+    "markov_bias": 5e-3,  # 1.7e-3 (1.7e-3)
+    "compute_confidence": 1e-6,  # 0: an FP32 head on the same inputs; the bound is FP32 rounding
+}
 
-    Tolerance: the reference drafter itself, run in BF16 on this checkpoint, is 1.8 % (relative L2)
-    off its FP32 self on the block hidden states and logits, 0.4 % on the context projections; 5 %
-    admits that BF16 noise floor and nothing like a wrong weight or a missing scale.
-    """
+
+def test_fp8_served_in_bf16_stays_close_to_the_fp32_reference(tiny_mla_target: Path, fp8_checkpoint: Path) -> None:
+    """The serving dtype: FP8 weights dequantized to BF16, BF16 activations, per-hook bounds above."""
     from vllm_dspark.reference import ReferenceDrafter
 
     served = load_drafter(tiny_mla_target, fp8_checkpoint, dtype="bfloat16")
     assert next(served.model.model.final_norm.parameters()).dtype == torch.bfloat16
-    assert_hooks_match_reference(served, ReferenceDrafter.from_pretrained(fp8_checkpoint), norm_rtol=0.05)
+    assert_hooks_match_reference(served, ReferenceDrafter.from_pretrained(fp8_checkpoint), norm_rtol=BF16_HOOK_BOUNDS)
 
 
 def test_cpu_kernel_is_registered_and_refuses_block_scales(served_fp8: Served) -> None:

@@ -66,12 +66,13 @@ def _without_v1_runner_check():
     return mock.patch.object(VllmConfig, "_validate_v1_model_runner", lambda self: None)
 
 
-def engine_config(target_dir: str | Path, draft_dir: str | Path, *, dtype: str = "float32", **speculative: Any):
+def engine_config(target_dir: str | Path, draft_dir: str | Path, *, dtype: str = "float32",
+                  tensor_parallel_size: int = 1, **speculative: Any):
     """The real ``VllmConfig`` of serving ``target_dir`` with ``draft_dir`` as its dspark drafter."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=str(target_dir), skip_tokenizer_init=True, dtype=dtype, max_model_len=256,
-                      enforce_eager=True,
+                      enforce_eager=True, tensor_parallel_size=tensor_parallel_size,
                       speculative_config={"method": "dspark", "model": str(draft_dir), **speculative})
     with _without_v1_runner_check():
         return args.create_engine_config()
@@ -111,11 +112,12 @@ class Served:
 
 
 def load_with_vllm(draft_dir: str | Path, *, target_dir: str | Path | None = None, dtype: str = "float32",
-                   heads_file: str | Path | None = None, **speculative: Any) -> Served:
+                   heads_file: str | Path | None = None, tensor_parallel_size: int = 1, **speculative: Any) -> Served:
     """Build and load ``draft_dir`` through vLLM's ``load_dspark_model``; raises whatever it raises.
 
     ``target_dir`` is a target config directory (default: one written next to the drafter's heads
-    by :func:`write_target_config`); ``heads_file`` the shared heads (default ``draft_dir/target``).
+    by :func:`write_target_config`); ``heads_file`` the shared heads (default ``draft_dir/target``). With
+    ``tensor_parallel_size`` > 1 the caller has set up vLLM's process groups of that size (one process per rank).
     """
     import vllm_dspark
     from vllm.config import set_current_vllm_config
@@ -131,7 +133,8 @@ def load_with_vllm(draft_dir: str | Path, *, target_dir: str | Path | None = Non
     with tempfile.TemporaryDirectory(prefix="vllm-dspark-target-") as stand_in:
         if target_dir is None:
             target_dir = write_target_config(config, stand_in)
-        vllm_config = engine_config(target_dir, draft_dir, dtype=dtype, **speculative)
+        vllm_config = engine_config(target_dir, draft_dir, dtype=dtype,
+                                    tensor_parallel_size=tensor_parallel_size, **speculative)
         with set_current_vllm_config(vllm_config), _without_v1_runner_check():
             ensure_single_process_runtime()
             target = TargetHeads(heads_file or draft_dir / TARGET_HEADS, vllm_config.model_config.dtype)

@@ -1,0 +1,75 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The mutation check of the critical math: ``make test-mutation`` (``pytest -m mutation``).
+
+mutmut (PyPI, the ``test`` extra) mutates the functions matched by ``MUTANTS`` one mutation at a time,
+in a copy of the package made here, and runs for each mutant the tests of ``[tool.mutmut]`` in
+``pyproject.toml`` that execute the mutated function. A mutant is killed when a test fails. Covered:
+the rotary embedding and softmax scale, the Markov rollout and its per-row sampling, the doctor's
+``num_speculative_tokens`` check, the drift harness's cell inputs. Left out: the seed mixing
+(``stream_seed``, ``gumbel_noise``: any mixing is as right as the committed one, so no test can tell
+its constants apart) and the quant resolver (``quant_plan``), which is not among the mutated modules yet.
+
+The test prints the tally and fails when the run kills fewer mutants, or tallies a different number,
+than the README states (its figure comes from this test).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from fnmatch import fnmatch
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MUTANTS = (
+    "vllm_dspark.rope.*",
+    "vllm_dspark.sampling.x_markov_rollout__mutmut_*",
+    "vllm_dspark.sampling.x_sample_tokens__mutmut_*",
+    "vllm_dspark.doctor.x_check_num_speculative_tokens__mutmut_*",
+    "vllm_dspark.doctor.x__block_size__mutmut_*",
+    "vllm_dspark.drift.harness.x_batches__mutmut_*",
+)
+README_FIGURE = re.compile(r"kills \*\*(\d+) of (\d+)\*\* mutants")
+
+
+def mutant_status(mutants: Path) -> dict[str, str]:
+    """``{mutant: mutmut's status}`` for the mutants ``MUTANTS`` selects, from a run's ``mutants/`` directory."""
+    from mutmut.stats import status_by_exit_code
+
+    status = {}
+    for meta in mutants.rglob("*.meta"):
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            if any(fnmatch(name, pattern) for pattern in MUTANTS):
+                status[name] = status_by_exit_code[code]
+    return status
+
+
+@pytest.mark.mutation
+def test_mutation_check(tmp_path: Path) -> None:
+    work = tmp_path / "repo"
+    ignore = shutil.ignore_patterns("__pycache__", "mutants")
+    for name in ("vllm_dspark", "tests"):
+        shutil.copytree(ROOT / name, work / name, ignore=ignore)
+    shutil.copy2(ROOT / "pyproject.toml", work)
+    # mutmut's progress goes to the terminal (make test-mutation runs pytest -s).
+    run = subprocess.run([sys.executable, "-m", "mutmut", "run", *MUTANTS], cwd=work, timeout=3600)
+    assert run.returncode == 0, f"mutmut run exited with {run.returncode}"
+
+    status = mutant_status(work / "mutants")
+    tally = Counter(status.values())
+    killed, total = tally["killed"], len(status)
+    survivors = sorted(name for name, s in status.items() if s != "killed")
+    print(f"\nmutation check: {killed} of {total} mutants killed {dict(tally)}")
+    print("not killed:\n  " + "\n  ".join(survivors))
+    assert tally["not checked"] == 0, "the run stopped before every mutant was tested"
+
+    stated = README_FIGURE.search((ROOT / "README.md").read_text())
+    assert stated, "README.md must state the mutation check's figure as 'kills **K of N** mutants'"
+    assert total == int(stated[2]), f"{total} mutants now, the README states {stated[2]}: update it"
+    assert killed >= int(stated[1]), f"{killed} of {total} killed, fewer than the README's {stated[1]}"
