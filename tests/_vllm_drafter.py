@@ -82,6 +82,16 @@ class Batch:
         start = sum(self.context_lens[:r])
         return slice(start, start + self.context_lens[r])
 
+    def padded_context(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference drafter's inputs: aux states ``[requests, T, D]``, positions and the context mask."""
+        requests, t_max = len(self.context_lens), max(self.context_lens)
+        aux = torch.zeros(requests, t_max, self.aux.shape[-1])
+        mask = torch.zeros(requests, t_max, dtype=torch.bool)
+        for r, length in enumerate(self.context_lens):
+            aux[r, :length] = self.aux[self.context_rows(r)]
+            mask[r, :length] = True
+        return aux, torch.arange(t_max).expand(requests, t_max), mask
+
     def block_positions(self, block: int) -> torch.Tensor:
         return torch.stack([torch.arange(n, n + block) for n in self.context_lens])
 

@@ -164,14 +164,9 @@ def test_drafted_block_matches_the_reference_draft(request, drafter: str, temper
                              positions=block_positions)
     confidence = model.compute_confidence(hidden, rollout.markov_embeds.flatten(0, 1)).view(num_requests, n)
 
-    t_max = max(batch.context_lens)
-    aux = torch.zeros(num_requests, t_max, batch.aux.shape[-1])
-    mask = torch.zeros(num_requests, t_max, dtype=torch.bool)
-    for r, length in enumerate(batch.context_lens):
-        aux[r, :length] = batch.aux[batch.context_rows(r)]
-        mask[r, :length] = True
-    expected = reference.draft(aux, torch.arange(t_max).expand(num_requests, t_max), batch.anchors,
-                               temperature=temperature, seeds=seeds, context_mask=mask)
+    aux, positions, mask = batch.padded_context()
+    expected = reference.draft(aux, positions, batch.anchors, temperature=temperature, seeds=seeds,
+                               context_mask=mask)
     assert torch.equal(expected.block_positions, block_positions)
     assert torch.equal(rollout.tokens, expected.tokens)
     torch.testing.assert_close(rollout.logits, expected.logits, **FP32_TOL)
