@@ -3,7 +3,7 @@
 #   make demo   installs into .venv, builds a small random drafter in the real layout, quantizes it
 #               to FP8, checks it, loads it through vLLM's loader and prints the drift table
 #   make test   installs into .venv and runs the test suite (what CI runs)
-#   make test-mutation   the mutation check of the critical math (slow; not in CI yet)
+#   make test-mutation   the mutation check of the critical math (CI runs it too)
 
 PYTHON ?= python3
 VENV ?= .venv

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The mutation check of the critical math: ``make test-mutation`` (``pytest -m mutation``).
+"""The mutation check of the critical math: ``make test-mutation`` (``pytest -m mutation``), in CI too.
 
 mutmut (PyPI, the ``test`` extra) mutates the functions matched by ``MUTANTS`` one mutation at a time,
 in a copy of the package made here, and runs for each mutant the tests of ``[tool.mutmut]`` in
