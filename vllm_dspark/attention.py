@@ -2,23 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """MLA attention of the K3 DSpark draft layers, chosen by platform.
 
-On CUDA/ROCm every draft layer is vLLM's own Kimi-K3 ``MultiHeadLatentAttention``
-(``use_rope=True, non_causal_multi_token_decode=True``, see :mod:`vllm_dspark.attention_cuda`): it
-registers itself as an attention layer, reports the target's MLA KV-cache spec (one
-``kv_lora_rank + qk_rope_head_dim`` latent per token, 576 for Kimi-K3), so the planner puts the draft
-layers in the target's KV-cache group, and it runs the non-causal query block on the selected MLA
-backend (TRITON_MLA on Hopper, FLASHINFER_MLA on Blackwell).
-
-On CPU, vLLM runs ``method="dspark"`` only in Model Runner V2, which needs Triton (there, its
-interpreter: no registry carries triton-cpu). Where Triton is present, the draft layers are the same
-Kimi-K3 layer with CPU stand-ins for its fused CUDA decode epilogue and backend
-(:mod:`vllm_dspark.attention_cpu`). Without Triton no CPU engine can run dspark, and
-:class:`TorchLatentAttention` takes the layer's place for loading and testing the drafter outside an
-engine: the same submodules under the same names (so checkpoints load identically and quantization
-matches the same runtime prefixes) and the same math in plain torch, over a paged latent cache of the
-same layout, which tests bind with :meth:`TorchLatentAttention.bind_kv_cache`, passing
-:class:`LatentAttentionMetadata` through vLLM's forward context, exactly where the GPU layer finds its
-metadata.
+CUDA/ROCm: vLLM's own Kimi-K3 ``MultiHeadLatentAttention`` (:mod:`vllm_dspark.attention_cuda`); its
+576-wide latent KV spec puts the draft layers in the target's KV-cache group. CPU with Triton (Model
+Runner V2 under its interpreter): the same layer with torch stand-ins for the CUDA decode epilogue
+(:mod:`vllm_dspark.attention_cpu`). Without Triton, :class:`TorchLatentAttention` takes its place for
+loading and testing outside an engine: same submodule names, same math in torch over a paged latent
+cache of the same layout, bound with :meth:`TorchLatentAttention.bind_kv_cache`.
 """
 
 from __future__ import annotations

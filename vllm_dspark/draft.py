@@ -1,33 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-dspark draft``: draft one block per request with the reference drafter.
 
-    vllm-dspark draft --model DIR [--target DIR] --inputs IN.safetensors --out OUT.safetensors
-                      [--dtype fp32|bf16] [--absorbed]
-
-Input tensors (``IN.safetensors``; B requests, T context tokens):
-
-==================== ================================ ==========================================
-name                 shape / dtype                    meaning
-==================== ================================ ==========================================
-aux_hidden_states    [B, T, num_target_layers * Ht]   the target's hidden states after layers
-                     float (any)                      ``target_layer_ids``, concatenated in
-                                                      ascending layer order (5 x 7168 for K3)
-context_positions    [B, T] int64                     positions of those context tokens
-anchor_ids           [B] int64                        each request's last verified token
-context_mask         [B, T] bool, optional            False marks padding (contexts of unequal
-                                                      length); default all True
-seeds                [B] int64, optional              per-request sampling seeds
-temperature          [B] float, optional              0 = greedy (default); > 0 needs seeds
-==================== ================================ ==========================================
-
-The block of each request sits at positions ``last + 1 .. last + N`` (``last`` = its largest valid
-context position, N = ``block_size``) and reads ``[anchor, mask x (N - 1)]``.
-
-Output tensors (``OUT.safetensors``): ``draft_tokens`` [B, N] int64, ``logits`` [B, N, V] fp32
-(pre-temperature, Markov bias included: what vLLM caches for rejection sampling), ``confidences``
-[B, N] fp32 (when the drafter has a confidence head) and ``block_positions`` [B, N] int64.
-
-``--example-inputs FILE`` writes a valid random inputs file for the model and exits.
+The input and output tensors (``aux_hidden_states``, ``context_positions``, ``anchor_ids``, optional
+``context_mask`` / ``seeds`` / ``temperature``; ``draft_tokens``, ``logits``, ``confidences``,
+``block_positions``) are tabled once, in the README's "Random checkpoints and the reference drafter";
+:data:`INPUT_TENSORS` and :data:`OUTPUT_TENSORS` are their definitions in code.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Reference K3 DSpark drafter: the whole forward in plain PyTorch, the project's numerical oracle.
 
-It computes what vLLM's ``dspark`` speculator gets from ``K3DSparkForCausalLM``
-(``vllm/models/kimi_k3/nvidia/dspark_mla.py``), with no vLLM kernel:
-
-- context: the 5 target aux hidden states -> ``context_proj`` -> ``context_norm``; then per layer
-  ``kv_a_proj_with_mqa`` -> ``kv_a_layernorm`` on the 512-wide latent ++ RoPE on the 64-wide
-  ``k_pe``, at the context tokens' positions (the 576-element latent the target's KV pages hold);
-- block: ``[anchor, mask x (N-1)]`` at positions ``last+1 .. last+N``, embedded with the target's
-  embedding; per layer pre-norm MLA over ``[context latents ; block latents]``, non-causal, with the
-  DeepSeek-YaRN softmax scale, then a SwiGLU MLP; ``final_norm``;
-- heads: ``logit_scale * lm_head(h)``, the Markov rollout (:mod:`vllm_dspark.sampling`) and the
-  confidence head ``sigmoid(proj([h ; W1[y_{i-1}]]))``.
-
-Attention exists in two forms that must agree: the naive one up-projects every latent with
-``kv_b_proj``; the absorbed one (what the GPU kernels run) folds ``W_UK`` into the query and applies
-``W_UV`` after attending over the latents.
-
-Module and parameter names mirror the checkpoint, so ``state_dict()`` keys are the HF keys (plus
-the shared ``lm_head.weight``). Weights may be stored in a narrower dtype than ``compute_dtype``
-(a BF16 checkpoint in an FP32 reference) and are upcast per use; FP32 copies of BF16 values are
-exact, and this keeps the full-size drafter within a workstation's memory.
+It computes what vLLM's ``dspark`` speculator gets from ``K3DSparkForCausalLM`` with no vLLM kernel:
+the context latents (aux states -> ``context_proj`` -> per-layer ``kv_a_proj_with_mqa``), the block
+``[anchor, mask x (N-1)]`` through non-causal MLA + SwiGLU layers, then the heads (logits, the
+Markov rollout of :mod:`vllm_dspark.sampling`, the confidence head). Attention exists in the naive
+form (latents up-projected by ``kv_b_proj``) and the absorbed one the GPU kernels run; they must
+agree. Module and parameter names mirror the checkpoint, so ``state_dict()`` keys are the HF keys.
+Weights stored narrower than ``compute_dtype`` are upcast per use (exact for BF16 -> FP32).
 """
 
 from __future__ import annotations
@@ -46,7 +33,7 @@ __all__ = ["DraftOutput", "ReferenceDrafter"]
 # fresh FP32 copy of every weight on every call, which at the real shapes costs more than the matmuls.
 # 4 Mi elements (16 MiB in FP32) stays cache-friendly for a 7-token block; narrow slabs of a wide weight
 # (context_proj's 35840 inputs) starve the GEMM of output columns, so a slab never has fewer rows than
-# _MIN_SLAB_ROWS (measured on AVX-512 with MKL: 73 GF/s at 29 rows, 140+ at 117+ rows for 2048 tokens).
+# _MIN_SLAB_ROWS.
 _UPCAST_CHUNK_ELEMENTS = 1 << 22
 _MIN_SLAB_ROWS = 256
 _scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

@@ -1,20 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Rotary position embedding of the K3 DSpark drafter, as pure functions.
 
-The drafter rotates the 64-wide ``k_pe`` / ``q_pe`` parts of its MLA heads the way vLLM's
-``MultiHeadLatentAttention(use_rope=True)`` does:
-
-- any ``rope_type`` other than ``default`` is DeepSeek-YaRN: per rotary pair ``i`` the inverse
-  frequency blends interpolation (``1 / (factor * base^(2i/d))``) and extrapolation
-  (``1 / base^(2i/d)``) with a linear ramp between the YaRN correction dims of ``beta_fast`` and
-  ``beta_slow``; cos/sin are multiplied by ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``;
-- the rotation is GPT-J style (``is_neox_style=False``): element pairs ``(2i, 2i+1)`` rotate together;
-- the attention softmax scale is ``qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2``, where
-  ``mscale(s, m) = 0.1 * m * ln(s) + 1`` (1 when ``s <= 1``).
-
-Cos/sin are computed from the positions directly instead of from vLLM's table of
-``original_max_position_embeddings * factor`` rows: the product ``float32(position) * inv_freq`` is
-the same fp32 operation, and a 1M-position table would cost 256 MiB per process.
+As vLLM's ``MultiHeadLatentAttention(use_rope=True)``: DeepSeek-YaRN inverse frequencies (a linear
+ramp between the ``beta_fast`` / ``beta_slow`` correction dims) with cos/sin scaled by
+``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``; GPT-J style pairs ``(2i, 2i+1)``; and
+the softmax scale ``qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2``. Cos/sin come from the
+positions directly, not from a table: the same fp32 product, without a 256 MiB table at 1M positions.
 """
 
 from __future__ import annotations

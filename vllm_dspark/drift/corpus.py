@@ -1,16 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Token streams for the drift harness: where anchors and the ``boot`` regime's tokens come from.
 
-- default: ``vllm_dspark/data/corpus.txt`` (~6 KB: public-domain prose — Lincoln, Dickens, Austen,
-  Melville, Carroll, the US Constitution's preamble, Shakespeare — plus a few original arithmetic
-  word problems and a code snippet), mapped to ids byte by byte (UTF-8 byte ``b`` -> id ``b``),
-  so it works offline with any vocabulary of at least 256 ids and needs no tokenizer;
-- a user file of token ids: ``.npy`` (integer array), ``.json`` (a list of ids or a list of
-  lists, one per document) or ``.txt`` (ids separated by whitespace or commas);
-- a user text file plus ``--tokenizer DIR``, tokenized with ``transformers.AutoTokenizer``.
-
-Documents are concatenated into one stream; the harness cuts windows of ``context_len + 1`` tokens
-from it (``context_len`` context tokens, then the anchor).
+The default is the small public-domain text shipped in ``vllm_dspark/data/corpus.txt``, mapped to
+ids byte by byte (offline, any vocabulary of at least 256 ids). A user file may hold token ids
+(``.npy`` integers, ``.json`` list or list of lists, ``.txt`` separated ids) or text with
+``--tokenizer DIR``. Documents are concatenated into one stream cut into ``context_len + 1`` windows.
 """
 
 from __future__ import annotations

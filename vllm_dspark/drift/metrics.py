@@ -1,17 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Drift metrics: pure functions from distributions and tokens to per-token and per-block figures.
 
-Two layers, kept apart so each can be checked against a hand computation:
-
-- per-token (torch, on whatever device the logits live): the divergences between the reference's
-  next-token distribution ``p`` and a variant's ``q`` at the same position under the same Markov
-  conditioning — ``Σ min(p, q)`` (= 1 − TV), ``KL(p‖q)``, ``KL(q‖p)``;
-- per-block aggregates and their 95 % confidence intervals (numpy), bootstrapped over *blocks*:
-  the 7 positions of one block share their context and anchor, so a block is the independent unit.
-
-The acceptance ceilings compose per-position acceptance into an expected accepted length with the
-bonus token counted, the convention vLLM's "mean acceptance length" and the DSpark paper's τ use:
-``τ = 1 + Σ_k Π_{i≤k} a_i``.
+Per token (torch): ``Σ min(p, q)`` (= 1 − TV), ``KL(p‖q)``, ``KL(q‖p)`` between the reference's ``p``
+and a variant's ``q`` under the same Markov conditioning. Per block (numpy): aggregates with 95 %
+bootstrap CIs over blocks, the independent unit. Acceptance ceilings count the bonus token, as vLLM's
+mean acceptance length and the DSpark paper's τ do: ``τ = 1 + Σ_k Π_{i≤k} a_i``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Aux-hidden-state regimes: the one input every variant shares and nobody can observe.
 
-The drafter consumes the target's hidden states after 5 of its layers. Without the ~1 T-param
-target in the loop they cannot be obtained, so the harness sweeps three distributions and checks
-that conclusions hold across them:
-
-- ``gauss``: iid N(0, 1);
-- ``heavy``: N(0, 1) times a lognormal per-channel scale ``exp(σ z_c)`` (σ = 1.5 by default),
-  drawn once per run and shared by the 5 aux layers, the way massive activations live in a few
-  fixed residual channels across layers;
-- ``boot``: the drafter's own layers run causally over real token streams, giving hidden states
-  with real token structure (see :mod:`vllm_dspark.drift.harness`).
-
-Every block's aux states are a pure function of (seed, regime, block index), so every variant
-sees bit-identical inputs however blocks are batched. They are rounded to BF16, the dtype in which
-vLLM hands the target's aux states to the drafter; the FP32 reference upcasts them exactly.
+``gauss`` (iid N(0, 1)); ``heavy`` (times a lognormal per-channel scale shared by the 5 aux layers,
+like massive activations); ``boot`` (the drafter's own layers run causally over real token streams).
+Each block's aux states are a pure function of (seed, regime, block index), rounded to BF16 as vLLM
+hands them over, so every variant sees bit-identical inputs however blocks are batched.
 """
 
 from __future__ import annotations
