@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import format_table, write_result
+from vllm_dspark import formats
 from vllm_dspark.check import human_bytes, human_params
 from vllm_dspark.presets import PRESETS
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quantizer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=list(PRESETS), default="k3")
-    parser.add_argument("--format", choices=("fp8", "mxfp4", "nvfp4"), default="fp8")
+    parser.add_argument("--format", choices=formats.names(), default="fp8")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--model", type=Path, default=None,
                         help="an existing BF16 checkpoint of --preset (default: make-random writes one)")

@@ -190,7 +190,7 @@ def _dtypes(config, stored: dict[str, str]) -> dict[str, str]:
             out[f"{spec.name}.weight"] = "BF16"
         else:
             out |= {f"{spec.name}.{s}": SAFETENSORS_DTYPES[t.dtype]
-                    for s, t in formats.quantized_tensor_specs(fmt, spec.shape).items()}
+                    for s, t in formats.get(fmt).tensor_specs(spec.shape).items()}
         if spec.bias:
             out[f"{spec.name}.bias"] = "BF16"
     return out

@@ -114,7 +114,7 @@ def _expected(spec: ModuleSpec, fmt: str | None) -> dict[str, formats.TensorSpec
     if fmt is None:
         expected: dict[str, formats.TensorSpec | None] = {f"{spec.name}.weight": None}
     else:
-        expected = {f"{spec.name}.{s}": t for s, t in formats.quantized_tensor_specs(fmt, spec.shape).items()}
+        expected = {f"{spec.name}.{s}": t for s, t in formats.get(fmt).tensor_specs(spec.shape).items()}
     if spec.bias:
         expected[f"{spec.name}.bias"] = None
     return expected
@@ -166,7 +166,7 @@ def _scale_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored: 
         fmt = quantized.get(spec.name)
         if fmt is None:
             continue
-        for suffix in formats.quantized_tensor_specs(fmt, spec.shape):
+        for suffix in formats.get(fmt).tensor_specs(spec.shape):
             key = f"{spec.name}.{suffix}"
             if not suffix.endswith("scale") or key not in stored:
                 continue  # a missing scale is already a missing-tensor problem

@@ -132,7 +132,7 @@ def expected_tensor_shapes(
 ) -> dict[str, tuple[int, ...]]:
     """``{key: shape}`` a checkpoint for ``config`` must hold; ``quantized`` maps module -> format.
 
-    A quantized module holds its format's tensors (:func:`formats.quantized_tensor_specs`: packed
+    A quantized module holds its format's tensors (:meth:`formats.QuantFormat.tensor_specs`: packed
     codes and scales) instead of ``weight``.
     """
     from vllm_dspark import formats
@@ -143,10 +143,8 @@ def expected_tensor_shapes(
         fmt = quantized.get(spec.name)
         if fmt is None:
             shapes[f"{spec.name}.weight"] = spec.shape
-        elif fmt not in formats.FORMATS:
-            raise ValueError(f"{spec.name}: quantization format {fmt!r} is not one of {', '.join(formats.FORMATS)}.")
         else:
-            for suffix, tensor in formats.quantized_tensor_specs(fmt, spec.shape).items():
+            for suffix, tensor in formats.get(fmt).tensor_specs(spec.shape).items():
                 shapes[f"{spec.name}.{suffix}"] = tensor.shape
         if spec.bias:
             shapes[f"{spec.name}.bias"] = (spec.shape[0],)
@@ -342,7 +340,7 @@ def _dequantize(
     """``module``'s weight, dequantized from the ``fmt`` tensors that ``read(key)`` returns."""
     from vllm_dspark import formats
 
-    parts = {suffix: read(f"{module}.{suffix}") for suffix in formats.quantized_tensor_specs(fmt, shape)}
+    parts = {suffix: read(f"{module}.{suffix}") for suffix in formats.get(fmt).tensor_specs(shape)}
     for suffix, tensor in parts.items():
         bad = invalid_scale_count(tensor) if suffix.endswith("scale") else 0
         if bad:
@@ -350,7 +348,7 @@ def _dequantize(
                              "negative, so the weight cannot be dequantized. Fix: re-quantize the BF16 checkpoint "
                              "with `vllm-dspark quantize`.")
     try:
-        weight = formats.dequantize_weight(parts, fmt, tuple(shape))
+        weight = formats.get(fmt).dequantize(parts, tuple(shape))
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"{module}: cannot dequantize its {fmt} weight: {e}") from None
     if tuple(weight.shape) != tuple(shape):

@@ -108,7 +108,7 @@ class _Item:
         return [
             _Entry(f"{self.module.name}.{suffix}", SAFETENSORS_DTYPES[spec.dtype], spec.shape,
                    math.prod(spec.shape) * spec.dtype.itemsize)
-            for suffix, spec in formats.quantized_tensor_specs(self.fmt, self.module.shape).items()
+            for suffix, spec in formats.get(self.fmt).tensor_specs(self.module.shape).items()
         ]
 
 
@@ -228,23 +228,25 @@ def _read(source: StoredTensor, key: str) -> torch.Tensor:
 
 
 def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
-    """NVFP4: one global scale per fused group (gate/up per layer, q_a/kv_a across layers)."""
-    quantized = {item.module.name: item for item in items if item.fmt == "nvfp4"}
+    """One global scale per fused group (gate/up per layer, q_a/kv_a across layers), for formats with one."""
+    quantized = {item.module.name: item for item in items if item.fmt and formats.get(item.fmt).has_global_scale}
     scales = {}
     for members in fused_module_groups(quantized).values():
+        fmt = formats.get(quantized[members[0]].fmt)
         tensors = (_read(quantized[m].stored, quantized[m].key).to(device) for m in members)
-        scales.update(dict.fromkeys(members, formats.nvfp4_global_scale(tensors)))
+        scales.update(dict.fromkeys(members, fmt.shared_global_scale(tensors)))
     return scales
 
 
 def _quantize(item: _Item, device: str, global_scales: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], ModuleStats]:
     spec = item.module
     weight = _read(item.stored, item.key).to(device)
-    parts = formats.quantize_weight(weight, item.fmt, global_scale=global_scales.get(spec.name))
+    fmt = formats.get(item.fmt)
+    parts = fmt.quantize(weight, global_scale=global_scales.get(spec.name))
     stats = ModuleStats(
         module=spec.name, kind=spec.kind, layer=spec.layer, format=item.fmt, params=weight.numel(),
         bytes_before=item.stored.nbytes, bytes_after=sum(e.nbytes for e in item.outputs()),
-        snr_db=formats.weight_snr_db(weight, parts, item.fmt),
+        snr_db=fmt.snr_db(weight, parts),
     )
     return {k: v.cpu() for k, v in parts.items()}, stats
 
@@ -322,7 +324,7 @@ def _write_quantized(plan: _Plan, staging: Path, fmt: str, device: str, workers:
     """Stream every tensor of ``plan`` through the quantizer into ``staging``; returns the report."""
     start = time.perf_counter()
     items = [item for shard_items in plan.shards.values() for item in shard_items]
-    global_scales = _global_scales(items, device) if fmt == "nvfp4" else {}
+    global_scales = _global_scales(items, device)
 
     def work(item: _Item) -> tuple[dict[str, torch.Tensor], ModuleStats] | None:
         if item.fmt is None:
@@ -343,7 +345,7 @@ def _write_quantized(plan: _Plan, staging: Path, fmt: str, device: str, workers:
                     shard.copy(item.key, item.stored)
                 else:
                     parts, stats = result
-                    for suffix in formats.quantized_tensor_specs(item.fmt, item.module.shape):
+                    for suffix in formats.get(item.fmt).tensor_specs(item.module.shape):
                         shard.write(f"{item.module.name}.{suffix}", parts[suffix])
                     modules.append(stats)
                 bar.update(item.stored.nbytes)
@@ -402,7 +404,7 @@ def quantize_checkpoint(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="vllm-dspark quantize",
-        description="Quantize a K3 DSpark drafter checkpoint to FP8 / MXFP4 / NVFP4 weight-only, in the "
+        description="Quantize a K3 DSpark drafter checkpoint to a weight-only format, in the "
         "compressed-tensors format vLLM loads. Non-included tensors are copied bit-identical; a report "
         f"({REPORT_NAME}.json/.md) gives params quantized, sizes and weight SNR.",
         epilog="No calibration; SmoothQuant is off on purpose: it eases activation quantization, and here "
@@ -412,9 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model_dir", required=True, type=Path, help="the BF16 drafter checkpoint directory")
     parser.add_argument("--output_dir", required=True, type=Path, help="where to write the quantized checkpoint")
-    parser.add_argument("--quant_format", required=True, choices=formats.FORMATS,
-                        help="fp8: E4M3 per output channel; mxfp4: E2M1, groups of 32, E8M0 scales; "
-                        "nvfp4: E2M1, groups of 16, E4M3 scales + a global scale")
+    parser.add_argument("--quant_format", required=True, choices=formats.names(),
+                        help="; ".join(fmt.description for fmt in formats.REGISTRY.values()))
     parser.add_argument("--include_layers", nargs="+", default=list(FP8_RECIPE), metavar="KIND",
                         help=f"module kinds to quantize, index-agnostic (default, the published FP8 build: "
                         f"{' '.join(FP8_RECIPE)}); quantizable: {' '.join(QUANTIZABLE_KINDS)}")
