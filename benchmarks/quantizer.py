@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks.common import format_table, write_result
 from vllm_dspark import formats
-from vllm_dspark.check import human_bytes, human_params
+from vllm_dspark.checkpoint import human_bytes, human_params
 from vllm_dspark.presets import PRESETS
 
 
@@ -90,8 +90,8 @@ def _peak_rss_bytes() -> int:
 def run(preset: str = "k3", fmt: str = "fp8", workers: int = 1, *, model_dir: str | Path | None = None,
         work_dir: str | Path | None = None) -> dict[str, Any]:
     """Measure copy and quantize on ``model_dir`` (default: a fresh make-random ``preset`` checkpoint)."""
-    from vllm_dspark.check import check_checkpoint, stored_tensors
-    from vllm_dspark.checkpoint import load_config
+    from vllm_dspark.check import check_checkpoint
+    from vllm_dspark.checkpoint import load_config, stored_tensors
     from vllm_dspark.layout import checkpoint_modules
     from vllm_dspark.make_random import make_random
 

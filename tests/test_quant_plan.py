@@ -181,7 +181,7 @@ def test_4bit_builds_resolve_to_the_recipe_at_vllm_runtime_names(encodings, fmt:
 def _dtypes(config, stored: dict[str, str]) -> dict[str, str]:
     """Header dtypes of a build of ``config`` whose modules ``stored`` ({module: fmt}) are quantized."""
     from vllm_dspark import formats
-    from vllm_dspark.checkpoint import SAFETENSORS_DTYPES
+    from vllm_dspark.st_io import SAFETENSORS_DTYPES
 
     out = {}
     for spec in checkpoint_modules(config):

@@ -27,16 +27,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_dspark.checkpoint import (
-    TARGET_EMBED_KEY,
-    TARGET_LM_HEAD_KEY,
-    SafetensorsWriter,
-    save_drafter,
-)
+from vllm_dspark.checkpoint import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY, save_drafter
 from vllm_dspark.config import K3DSparkConfig
-from vllm_dspark.layout import checkpoint_modules
+from vllm_dspark.layout import checkpoint_modules, tensor_shapes
 from vllm_dspark.presets import PRESETS, preset_config_json
 from vllm_dspark.safety import check_output, refuse_nonempty, staged
+from vllm_dspark.st_io import Entry, SafetensorsWriter, save_tensors
 from vllm_dspark.vllm_load import write_target_config
 
 __all__ = [
@@ -136,25 +132,33 @@ def _write_random(out_dir: Path, preset: str, *, seed: int, progress: bool) -> N
     bar = tqdm(total=total * 2, unit="B", unit_scale=True, desc=f"make-random {preset}", disable=not progress)
 
     target_dir = out_dir / "target"
-    with SafetensorsWriter(target_dir / "model.safetensors") as target:
+    entries = _bf16_entries(config)
+    heads = [Entry.planned(key, torch.bfloat16, (config.vocab_size, config.hidden_size))
+             for key in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY)]
+    with SafetensorsWriter(target_dir / "model.safetensors", heads) as target:
 
         def drafter_tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in random_drafter_tensors(config, seed=seed):
                 if name == "embed_tokens.weight":
                     # The drafter ships the target's embedding; both files hold the same tensor.
-                    target.add(TARGET_EMBED_KEY, tensor)
+                    target.write(TARGET_EMBED_KEY, tensor)
                     bar.update(tensor.numel() * tensor.element_size())
                 bar.update(tensor.numel() * tensor.element_size())
                 yield name, tensor
 
-        save_drafter(out_dir, config_json, drafter_tensors())
+        save_drafter(out_dir, config_json, drafter_tensors(), entries=entries)
         lm_head = random_lm_head(config, seed=seed)
-        target.add(TARGET_LM_HEAD_KEY, lm_head)
+        target.write(TARGET_LM_HEAD_KEY, lm_head)
         bar.update(lm_head.numel() * lm_head.element_size())
     bar.close()
     # A target config of the geometry the drafter expects, so that OUT/target stands in for the
     # target wherever only its config is read (vLLM's config building, the doctor's --target).
     write_target_config(config, target_dir)
+
+
+def _bf16_entries(config: K3DSparkConfig) -> list[Entry]:
+    """The entries of every drafter tensor, in the order :func:`random_drafter_tensors` yields them."""
+    return [Entry.planned(key, torch.bfloat16, shape) for key, shape in tensor_shapes(config).items()]
 
 
 def aux_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
@@ -221,10 +225,8 @@ def make_random_like(out_dir: str | Path, target_dir: str | Path, *, num_layers:
                                  disable=not progress)
     )
     with staged(out_dir, directory=True) as staging:
-        save_drafter(staging, config_json, tensors)
-        with SafetensorsWriter(staging / "target" / "model.safetensors") as target:
-            target.add(TARGET_EMBED_KEY, embed_tokens)
-            target.add(TARGET_LM_HEAD_KEY, lm_head)
+        save_drafter(staging, config_json, tensors, entries=_bf16_entries(config))
+        save_tensors(staging / "target" / "model.safetensors", {TARGET_EMBED_KEY: embed_tokens, TARGET_LM_HEAD_KEY: lm_head})
         shutil.copyfile(target_dir / "config.json", staging / "target" / "config.json")
     return out_dir
 

@@ -305,12 +305,12 @@ def declared(config: K3DSparkConfig, quantization_config: Mapping[str, Any]) -> 
 
 def resolve_checkpoint(model_dir: str | Path) -> QuantPlan:
     """:func:`resolve` for a drafter directory: its config.json and its shard headers."""
-    from vllm_dspark.checkpoint import checked_weight_map, load_config, read_config_json, stored_dtypes
+    from vllm_dspark.checkpoint import load_config, read_config_json, stored_tensors
 
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     return resolve(config, read_config_json(model_dir).get("quantization_config"),
-                   stored_dtypes(checked_weight_map(model_dir)))
+                   {key: t.dtype for key, t in stored_tensors(model_dir).items()})
 
 
 def vllm_quantization_config(plan: QuantPlan, config: K3DSparkConfig, *, start_layer_id: int,

@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
-import struct
 import sys
 import time
 from collections import deque
@@ -40,23 +38,30 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from vllm_dspark import formats
-from vllm_dspark.check import StoredTensor, human_bytes, human_params, stored_tensors
 from vllm_dspark.checkpoint import (
-    SAFETENSORS_DTYPES,
     CONFIG_NAME,
     INDEX_NAME,
-    expected_tensor_shapes,
+    human_bytes,
+    human_params,
     load_config,
     read_config_json,
+    stored_tensors,
     validate_tensor_shapes,
 )
-from vllm_dspark.layout import FP8_RECIPE, QUANTIZABLE_KINDS, ModuleSpec, checkpoint_modules, fused_module_groups
+from vllm_dspark.layout import (
+    FP8_RECIPE,
+    QUANTIZABLE_KINDS,
+    ModuleSpec,
+    checkpoint_modules,
+    fused_module_groups,
+    tensor_shapes,
+)
 from vllm_dspark.quant_plan import QuantPlanError, resolve
 from vllm_dspark.safety import check_output, refuse_nonempty, require_finite, staged
+from vllm_dspark.st_io import Entry, SafetensorsWriter, StoredTensor, read_tensor
 
 REPORT_NAME = "quantization_report"
 TARGET_DIR = "target"
@@ -84,16 +89,6 @@ class ModuleStats:
 
 
 @dataclass(frozen=True)
-class _Entry:
-    """One output tensor as its shard header lists it."""
-
-    key: str
-    dtype: str  # safetensors dtype name
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-@dataclass(frozen=True)
 class _Item:
     """One input tensor: copied as is, or quantized as ``module`` in ``fmt``."""
 
@@ -102,12 +97,11 @@ class _Item:
     module: ModuleSpec | None = None
     fmt: str | None = None
 
-    def outputs(self) -> list[_Entry]:
+    def outputs(self) -> list[Entry]:
         if self.fmt is None:
-            return [_Entry(self.key, self.stored.dtype, self.stored.shape, self.stored.nbytes)]
+            return [self.stored.entry(self.key)]
         return [
-            _Entry(f"{self.module.name}.{suffix}", SAFETENSORS_DTYPES[spec.dtype], spec.shape,
-                   math.prod(spec.shape) * spec.dtype.itemsize)
+            Entry.planned(f"{self.module.name}.{suffix}", spec.dtype, spec.shape)
             for suffix, spec in formats.get(self.fmt).tensor_specs(self.module.shape).items()
         ]
 
@@ -117,58 +111,6 @@ class _Plan:
     config_json: dict[str, Any]  # the output's config.json
     kinds: tuple[str, ...]  # the included module kinds
     shards: dict[str, list[_Item]]  # output shard name -> its tensors, as the input shards hold them
-
-
-class _PlannedShard:
-    """A safetensors file whose tensors are all known before its first byte is written.
-
-    The header goes first and every tensor's bytes stream straight to their place, so the output
-    is written exactly once (``checkpoint.SafetensorsWriter``, which learns tensors as they come,
-    spools them to a side file and copies that after the header: twice the writes).
-    """
-
-    def __init__(self, path: Path, entries: list[_Entry]) -> None:
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for e in entries:
-            header[e.key] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
-            offset += e.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the format allows space padding; aligned data reads faster
-        self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
-        self._pending = deque(entries)
-
-    def _next(self, key: str) -> _Entry:
-        entry = self._pending.popleft()
-        assert entry.key == key, f"writing {key} where the header has {entry.key}"
-        return entry
-
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        entry = self._next(key)
-        assert (SAFETENSORS_DTYPES[tensor.dtype], tuple(tensor.shape)) == (entry.dtype, entry.shape), key
-        data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-        while data:  # an unbuffered write may be partial (Linux caps one at 2 GiB)
-            data = data[self._file.write(data):]
-
-    def copy(self, key: str, source: StoredTensor) -> None:
-        """Copy a tensor's bytes from its input shard: bit-identical by construction."""
-        self._next(key)
-        offset, remaining = source.offset, source.nbytes
-        with open(source.shard, "rb", buffering=0) as src:
-            while remaining:
-                try:  # in-kernel copy, no round trip through this process's memory
-                    n = os.copy_file_range(src.fileno(), self._file.fileno(), remaining, offset)
-                except (AttributeError, OSError):  # not Linux, or a filesystem pair it does not support
-                    n = self._file.write(os.pread(src.fileno(), min(remaining, 64 << 20), offset))
-                if n == 0:
-                    raise OSError(f"{source.shard} ended inside tensor {key}")
-                offset += n
-                remaining -= n
-
-    def close(self) -> None:
-        assert not self._pending, f"{len(self._pending)} planned tensors were never written"
-        self._file.close()
 
 
 def _ordered_map(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> Iterator[_R]:
@@ -203,7 +145,7 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
                       "quantization_config and tensors). Quantize the BF16 checkpoint instead; quantizing twice "
                       "compounds the error.")
     kinds = formats.validate_include_kinds(include_layers, fmt, config)
-    validate_tensor_shapes({k: t.shape for k, t in stored.items()}, expected_tensor_shapes(config),
+    validate_tensor_shapes({k: t.shape for k, t in stored.items()}, tensor_shapes(config),
                            source=f"checkpoint {model_dir}", config=config)
     items = []
     for spec in checkpoint_modules(config):
@@ -213,16 +155,15 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
             items.append(_Item(f"{spec.name}.bias", stored[f"{spec.name}.bias"]))
     shards: dict[str, list[_Item]] = {}
     for item in items:
-        shards.setdefault(item.stored.shard.name, []).append(item)
+        shards.setdefault(item.stored.path.name, []).append(item)
     raw = dict(raw, quantization_config=formats.quantization_config(fmt, kinds, config))
     return _Plan(raw, kinds, dict(sorted(shards.items())))
 
 
 def _read(source: StoredTensor, key: str) -> torch.Tensor:
-    with safe_open(str(source.shard), framework="pt") as f:
-        tensor = f.get_tensor(key)
+    tensor = read_tensor(source.path, key)
     # A NaN or Inf weight would quantize to NaN scales: refuse it by name instead.
-    require_finite(tensor, f"source tensor {key} in {source.shard}",
+    require_finite(tensor, f"source tensor {key} in {source.path}",
                    "repair or re-export the BF16 checkpoint; quantization cannot represent NaN or Inf")
     return tensor
 
@@ -339,17 +280,16 @@ def _write_quantized(plan: _Plan, staging: Path, fmt: str, device: str, workers:
               disable=None if progress else True) as bar:
         for shard_name, shard_items in plan.shards.items():
             entries = [e for item in shard_items for e in item.outputs()]
-            shard = _PlannedShard(staging / shard_name, entries)
-            for item, result in zip(shard_items, results):
-                if item.fmt is None:
-                    shard.copy(item.key, item.stored)
-                else:
-                    parts, stats = result
-                    for suffix in formats.get(item.fmt).tensor_specs(item.module.shape):
-                        shard.write(f"{item.module.name}.{suffix}", parts[suffix])
-                    modules.append(stats)
-                bar.update(item.stored.nbytes)
-            shard.close()
+            with SafetensorsWriter(staging / shard_name, entries) as shard:
+                for item, result in zip(shard_items, results):
+                    if item.fmt is None:
+                        shard.copy(item.key, item.stored)
+                    else:
+                        parts, stats = result
+                        for suffix in formats.get(item.fmt).tensor_specs(item.module.shape):
+                            shard.write(f"{item.module.name}.{suffix}", parts[suffix])
+                        modules.append(stats)
+                    bar.update(item.stored.nbytes)
             weight_map.update(dict.fromkeys((e.key for e in entries), shard_name))
     total = sum(e.nbytes for item in items for e in item.outputs())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
