@@ -323,7 +323,8 @@ def weight_snr_db(weight: torch.Tensor, tensors: dict[str, torch.Tensor], fmt: s
     """10 log10(|W|^2 / |W - dequant(Q)|^2) of a quantized weight, dequantized chunk by chunk."""
     signal = noise = 0.0
     for rows in _row_chunks(*weight.shape):
-        chunk = {s: t if s == "weight_global_scale" else t[rows] for s, t in tensors.items()}
+        # Per-row tensors are 2-D; global and per-tensor scales are 1-D and serve every chunk.
+        chunk = {s: t[rows] if t.dim() == 2 else t for s, t in tensors.items()}
         ref = weight[rows].float().flatten()
         diff = ref - dequantize_weight(chunk, fmt, (rows.stop - rows.start, weight.shape[1])).flatten()
         # BLAS dot products accumulate blockwise: float32 is exact enough for a dB figure.
