@@ -1,16 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-dspark check DIR``: structural verification of a drafter checkpoint before serving it.
 
-Reads only safetensors headers and the (small) scale tensors, so it takes seconds on the real
-6.6 GiB drafter. It verifies:
-
-- config.json is a valid K3 DSpark config, and every shard is readable and agrees with the index;
-- the quantization plan (:mod:`vllm_dspark.quant_plan`, the one every loader uses): the stored
-  tensors and the ``quantization_config`` agree, or a warning says which entries to rewrite;
-- every tensor's dtype and shape against that plan, with no tensor missing or unexpected (stray
-  ``lm_head`` / disabled ``confidence_head`` tensors, which the served model skips, are a warning);
-- scales are present and finite, and NVFP4 fused shards share one global scale.
-
+Reads only safetensors headers and the scale tensors. It verifies that config.json is a valid K3
+DSpark config and every shard agrees with the index; the quantization plan
+(:mod:`vllm_dspark.quant_plan`, the one every loader uses); every tensor's dtype and shape against
+that plan, with none missing or unexpected (stray ``lm_head`` / disabled ``confidence_head``
+tensors are a warning); and that scales are finite and NVFP4 fused shards share one global scale.
 Each violation is one problem string that names the tensor or module and the fix.
 """
 

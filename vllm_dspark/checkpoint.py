@@ -3,15 +3,11 @@
 
 A drafter directory holds ``config.json`` (a ``K3DSparkConfig``, plus a compressed-tensors
 ``quantization_config`` when quantized) and its weights under the HF key names of
-:mod:`vllm_dspark.layout`, either as ``model.safetensors`` or as shards
-``model-0000i-of-0000n.safetensors`` listed in ``model.safetensors.index.json``.
-
-The target's embedding and lm_head, which the drafter shares, live elsewhere: in the target's own
-directory (keys ``model.embed_tokens.weight`` and ``lm_head.weight``), or in the ``target/``
-directory that ``vllm-dspark make-random`` writes next to the drafter.
-
-Every way a checkpoint can disagree with its config is reported as one ``ValueError`` that names
-each offending tensor and the shape the config implies, before any weight is read into memory.
+:mod:`vllm_dspark.layout`, as ``model.safetensors`` or as shards listed in
+``model.safetensors.index.json``. The target's embedding and lm_head, which the drafter shares,
+live in the target's own directory or in the ``target/`` directory ``vllm-dspark make-random``
+writes. Every way a checkpoint can disagree with its config is one ``ValueError`` naming each
+offending tensor and the shape the config implies, before any weight is read.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-dspark make-random``: a random K3 DSpark drafter in exactly the real on-disk layout.
 
-Writes ``OUT/config.json`` (the preset's config), ``OUT/model-0000i-of-0000n.safetensors`` and
-``OUT/model.safetensors.index.json`` (HF key names, BF16, ``embed_tokens.weight`` included, as in the
-published checkpoint), and the target's shared heads in ``OUT/target/model.safetensors``
-(``model.embed_tokens.weight``, equal to the drafter's, and ``lm_head.weight``) with
-``OUT/target/config.json``: a DeepSeek-V3 MLA config of the target geometry the drafter expects.
-
-Weights are random with realistic structure, so that quantization error means something: linears
-are ``N(0, 1/fan_in)`` with lognormal per-output-channel and per-input-channel scales and a few
-outlier input channels; norms are ``1 +- 0.05``. Every tensor has its own generator seeded from
-``(--seed, tensor name)``: the output is deterministic, and tensors are generated and written one at
-a time, so peak memory stays near the largest tensor (the 163840 x 7168 embedding for ``k3``).
+Writes ``OUT/config.json`` (the preset's config), BF16 shards with HF key names and their index
+(``embed_tokens.weight`` included, as published), and the target's shared heads and a DeepSeek-V3
+MLA config of the matching geometry in ``OUT/target/``. Linears are ``N(0, 1/fan_in)`` with
+lognormal per-channel scales and a few outlier input channels, so quantization error means
+something; norms are ``1 +- 0.05``. Each tensor has its own generator seeded from ``(--seed,
+tensor name)``, and tensors are generated and written one at a time.
 """
 
 from __future__ import annotations
@@ -46,13 +41,10 @@ __all__ = [
     "random_tensor",
 ]
 
-# Rows are generated in slabs of about this many elements; the slab size is fixed so the values do
-# not depend on memory settings.
+# Rows are generated in fixed-size slabs, so the values do not depend on memory settings.
 _SLAB_ELEMENTS = 1 << 24
 
-# Output scale per module kind, relative to the default (1/sqrt(fan_in) for linears, N(0, 1) for
-# embeddings). The token embedding is small, as in trained LMs; the lm_head is sharper than a
-# unit-variance projection so that draft distributions are peaked, as real ones are.
+# Gain over the default init: a small embedding as in trained LMs, a sharp lm_head for peaked drafts.
 _GAIN = {"embed_tokens": 0.02, "lm_head": 4.0}
 _CONFIDENCE_BIAS = 1.5  # sigmoid(1.5) ~ 0.82: a plausible prior acceptance rate
 
@@ -151,8 +143,7 @@ def _write_random(out_dir: Path, preset: str, *, seed: int, progress: bool) -> N
         target.write(TARGET_LM_HEAD_KEY, lm_head)
         bar.update(lm_head.numel() * lm_head.element_size())
     bar.close()
-    # A target config of the geometry the drafter expects, so that OUT/target stands in for the
-    # target wherever only its config is read (vLLM's config building, the doctor's --target).
+    # OUT/target stands in for the target wherever only its config is read (vLLM, the doctor's --target).
     write_target_config(config, target_dir)
 
 

@@ -1,25 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which checkpoint module is stored in which format: the one quantization plan every tool uses.
 
-The plan comes from the stored tensors first (safetensors headers only: each module's dtypes and
-which of ``weight``, ``weight_scale``, ``weight_packed``, ``weight_global_scale`` it has), and is
-then reconciled with ``quantization_config`` under compressed-tensors' own matching, by calling
-its ``is_match``: exact names or ``re:`` patterns, module classes (``Linear``), ignore wins. A
-config entry may name a module as the checkpoint does (``layers.0.mlp.gate_proj``), with
-``model.``, with the layer number vLLM gives it at runtime (``model.layers.93...`` for Kimi-K3), or
-by the fused layer vLLM builds from it (``gate_up_proj``, ``fused_qkv_a_proj``, ``context_kv_proj``).
-
-Three outcomes:
-
-- config and tensors agree: the plan is served;
-- the config is outside the spec (entries that match no module: bare suffixes such as
-  ``mlp.gate_proj``, shell globs, regexes anchored too early), but read as their author meant them
-  they describe the tensors: served per the tensors, with one warning naming the entries and the
-  rewrite that fixes them;
-- they conflict: :class:`QuantPlanError`, one line naming the module and the fix.
-
-The check, the doctor, the quantizer, the drift harness, the reference loader and the vLLM model
-class all ask :func:`resolve`; :func:`vllm_quantization_config` is the normalized config vLLM gets.
+The stored tensors say which formats each module can be (the registered formats recognise their
+own tensors from the headers); ``quantization_config`` is matched by compressed-tensors' own
+``is_match`` under every name a module has (checkpoint, ``model.``, vLLM's runtime layer number,
+the fused layer). Agreement is served; entries that match nothing but, read as suffixes or globs,
+describe the tensors are served with one warning naming the rewrite; a conflict is a
+:class:`QuantPlanError` naming the module and the fix. Every tool and loader asks :func:`resolve`;
+:func:`vllm_quantization_config` is the normalized config vLLM gets.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-dspark quantize``: weight-only FP8 / MXFP4 / NVFP4 quantization of a drafter checkpoint.
+"""``vllm-dspark quantize``: weight-only quantization of a drafter checkpoint to any registered format.
 
 Writes the compressed-tensors format vLLM's loader reads: the included linears are replaced by
-their quantized tensors (see :mod:`vllm_dspark.formats`), every other tensor is copied
-bit-identical, and config.json gains one ``quantization_config`` whose single config group
-targets the included module kinds and ignores every other module with weights, with
-index-agnostic ``re:`` patterns (vLLM renumbers the draft layers after the target's).
-
-The checkpoint streams through tensor by tensor, so peak memory stays near the largest tensor
-(the 2.3 GB embedding for Kimi-K3), not the model; ``--workers N`` quantizes N tensors at once.
-A report (``quantization_report.json`` and ``.md``) gives per module and overall the params
-quantized, the size before and after, and the weight SNR in dB.
-
-No calibration, and SmoothQuant stays off. SmoothQuant migrates activation outliers into the
-weights (input column j of W scaled by s_j, the activation by 1/s_j) to make *activation*
-quantization easier. Here the activations are not quantized at all (weight-only, BF16 compute),
-and on the weight side per-output-channel FP8 is invariant to per-column rescaling: E4M3 is a
-floating-point format, so an element's relative rounding error does not depend on its magnitude,
-and scaling column j by s_j and undoing it returns the same error (exactly, for power-of-two s_j
-away from the ends of the range). Smoothing can only redistribute error between columns at the
-edges of the range, never remove it; the published FP8 build turned it off for the same reason.
+their quantized tensors (:mod:`vllm_dspark.formats`), every other tensor is copied bit-identical,
+and config.json gains one ``quantization_config`` with index-agnostic ``re:`` targets (vLLM
+renumbers the draft layers after the target's). Tensors stream through one at a time, so peak
+memory stays near the largest tensor; ``--workers N`` quantizes N at once. A report
+(``quantization_report.json`` and ``.md``) gives params, sizes and weight SNR per module.
+No calibration; why SmoothQuant stays off is said once, in ``--help`` (the epilog of :func:`main`).
 """
 
 from __future__ import annotations
@@ -329,8 +317,7 @@ def quantize_checkpoint(
         # Workers split the cores between them instead of each fanning out over all of them.
         torch.set_num_threads(max(1, threads // workers))
         with staged(output_dir, directory=True) as staging:
-            # Held for the whole run: the stance is process-global, and quantize_weight's own
-            # eager stance could otherwise lapse in one worker thread while another leaves it.
+            # Process-global: held for the run so no worker's own stance lapses while another's is set.
             with torch.compiler.set_stance("force_eager"):
                 report = _write_quantized(plan, staging, fmt, device, workers, progress)
             _copy_other_files(model_dir, staging)

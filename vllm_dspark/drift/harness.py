@@ -1,24 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Runs the drift evaluation: the FP32 reference once, then each variant, one loaded at a time.
 
-Cost model (what makes the ``k3`` preset fit 24 GiB and two cores):
-
-- the backbone is one parallel pass per block; teacher-forced and free-running scoring differ only
-  in the Markov bias, so each variant runs its backbone once per block and rolls the Markov head
-  twice over the same base logits;
-- the reference runs once per block. Its free-running rollout conditions each position on its own
-  previous token, so its logits *are* the teacher-forced logits every variant is compared with:
-  they are kept (``N x V`` fp32 per block, ~4.6 MB at the real vocabulary) in a memory-mapped file
-  per cell under a temporary directory (``$TMPDIR``), not in RAM and not recomputed per variant
-  (recomputing them through the FP32 lm_head cost half of a BF16 variant's time);
-- the reference stays loaded with its checkpoint's BF16 storage (upcast per use, exact) beside one
-  variant at a time, and the target's embedding / lm_head tensors are shared by all of them;
-- blocks are batched; ``gauss`` / ``heavy`` inputs are regenerated per block from the seed
-  (cheaper than storing them), ``boot`` inputs are computed once and kept in BF16.
-
-The reference runs MLA in its naive form; BF16 variants run the absorbed form (``W_UK`` folded
-into the query, ``W_UV`` applied after attending over latents), as the served MLA kernels do.
-The two agree in exact arithmetic.
+Each variant runs its backbone once per block and rolls the Markov head twice over the same base
+logits (teacher-forced and free-running differ only in the Markov bias). The reference's rollout
+logits are the teacher-forced logits every variant is compared with, so they are kept per cell in
+a memory-mapped file under ``$TMPDIR``, not recomputed per variant. The reference keeps its BF16
+storage (upcast per use, exact) and shares the target's heads with every variant. The reference
+runs MLA naively, BF16 variants in the absorbed form the served kernels use (equal in exact math).
 """
 
 from __future__ import annotations
