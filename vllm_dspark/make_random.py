@@ -217,7 +217,8 @@ def make_random_like(out_dir: str | Path, target_dir: str | Path, *, num_layers:
     )
     with staged(out_dir, directory=True) as staging:
         save_drafter(staging, config_json, tensors, entries=_bf16_entries(config))
-        save_tensors(staging / "target" / "model.safetensors", {TARGET_EMBED_KEY: embed_tokens, TARGET_LM_HEAD_KEY: lm_head})
+        heads = {TARGET_EMBED_KEY: embed_tokens, TARGET_LM_HEAD_KEY: lm_head}
+        save_tensors(staging / "target" / "model.safetensors", heads)
         shutil.copyfile(target_dir / "config.json", staging / "target" / "config.json")
     return out_dir
 

@@ -87,7 +87,10 @@ def is_stray(key: str, config: K3DSparkConfig) -> bool:
 # --- what the tensors say ---------------------------------------------------------------------
 
 
-def _stored_format(dtypes: Mapping[str, str]) -> tuple[str, ...] | str | None:
+_Stored = tuple[str, ...] | str | None  # the formats a module's tensors can be, None (float) or "?" (none)
+
+
+def _stored_format(dtypes: Mapping[str, str]) -> _Stored:
     """The formats a module's ``{suffix: safetensors dtype}`` can be; None for float, "?" for none."""
     found = tuple(fmt.name for fmt in formats.REGISTRY.values() if fmt.identify(dtypes))
     if found:
@@ -99,7 +102,7 @@ def _shown(stored: tuple[str, ...] | None) -> str | None:
     return None if stored is None else " or ".join(stored)
 
 
-def _stored_plan(specs: list[ModuleSpec], dtypes: Mapping[str, str]) -> dict[str, tuple[str, ...] | str | None]:
+def _stored_plan(specs: list[ModuleSpec], dtypes: Mapping[str, str]) -> dict[str, _Stored]:
     by_module: dict[str, dict[str, str]] = {}
     for key, dtype in dtypes.items():
         module, _, suffix = key.rpartition(".")
@@ -107,14 +110,14 @@ def _stored_plan(specs: list[ModuleSpec], dtypes: Mapping[str, str]) -> dict[str
     return {s.name: _stored_format(by_module.get(s.name, {})) for s in specs}
 
 
-def _check_storage(specs: list[ModuleSpec], stored: dict[str, tuple[str, ...] | str | None]) -> None:
+def _check_storage(specs: list[ModuleSpec], stored: dict[str, _Stored]) -> None:
     """Refuse tensors that no config could make servable: quantized non-linears, split fused layers."""
     for spec in specs:
         fmt = stored[spec.name]
         if fmt not in (None, "?") and spec.kind not in QUANTIZABLE_KINDS:
-            raise QuantPlanError(f"{spec.name} is stored as {_shown(fmt)}, but {why_unquantized(spec.kind)}, so the drafter "
-                                 f"runs it unquantized. Fix: re-quantize the BF16 checkpoint with `vllm-dspark "
-                                 "quantize`, which keeps it BF16")
+            raise QuantPlanError(f"{spec.name} is stored as {_shown(fmt)}, but {why_unquantized(spec.kind)}, so the "
+                                 f"drafter runs it unquantized. Fix: re-quantize the BF16 checkpoint with "
+                                 "`vllm-dspark quantize`, which keeps it BF16")
     for fused, members in fused_module_groups(s.name for s in specs).items():
         found = {m: stored[m] for m in members if stored[m] != "?"}
         if len(set(found.values())) > 1:
