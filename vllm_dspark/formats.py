@@ -68,6 +68,7 @@ class QuantFormat:
     preset: str  # the compressed-tensors preset whose weight args it takes (input activations dropped)
     format_strings: tuple[str, ...]  # the compressed-tensors format labels vLLM loads it from
     description: str  # one line for --help and error messages
+    contract = _WEIGHT_FIELDS  # the weight args a config group must share with the scheme to be this format
     has_global_scale = False
 
     @functools.cached_property
@@ -96,8 +97,7 @@ class QuantFormat:
 
     def matches(self, weights: QuantizationArgs) -> bool:
         """Whether a config group's weight args are this format's."""
-        ref = self.scheme.weights
-        return all(getattr(weights, f) == getattr(ref, f) for f in _WEIGHT_FIELDS)
+        return all(getattr(weights, f) == getattr(self.scheme.weights, f) for f in self.contract)
 
     def shared_global_scale(self, weights: Iterable[torch.Tensor]) -> torch.Tensor | None:
         """The one global scale weights that vLLM fuses must share; None for a format without one."""
@@ -148,6 +148,8 @@ class FP8(QuantFormat):
     # compressed-tensors labels weight-only FP8 "naive-quantized"; older exports say "float-quantized".
     format_strings = ("naive-quantized", "float-quantized")
     description = "fp8 per-channel: E4M3 per output channel"
+    # fp8 scales are plain floats: scale_dtype is not part of its contract.
+    contract = tuple(f for f in _WEIGHT_FIELDS if f != "scale_dtype")
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         n, k = shape
@@ -159,11 +161,6 @@ class FP8(QuantFormat):
 
     def identify(self, dtypes: Mapping[str, str]) -> bool:
         return "weight_packed" not in dtypes and dtypes.get("weight") == "F8_E4M3"
-
-    def matches(self, weights: QuantizationArgs) -> bool:
-        # fp8 scales are plain floats: scale_dtype is not part of its contract.
-        ref = self.scheme.weights
-        return all(getattr(weights, f) == getattr(ref, f) for f in _WEIGHT_FIELDS if f != "scale_dtype")
 
 
 class _FP4(QuantFormat):
