@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks.common import RESULTS_DIR, environment, format_table, write_result
 from vllm_dspark.drift.cli import parse_position
-from vllm_dspark.drift.harness import EvalSpec, run
+from vllm_dspark.drift.harness import EvalSpec, default_variants, run
 from vllm_dspark.drift.report import (COLUMNS, ceiling_summary, fmt, position_table, worst_half_width_pp,
                                       write_report)
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="blocks per pass (default 64: the FP32 reference's GEMMs run ~2x faster than at 16)")
     parser.add_argument("--context-len", type=int, default=32)
     parser.add_argument("--regimes", nargs="+", default=["gauss", "heavy", "boot"])
-    parser.add_argument("--variants", nargs="+", default=["bf16", "fp8", "mxfp4", "nvfp4"])
+    parser.add_argument("--variants", nargs="+", default=list(default_variants()))
     parser.add_argument("--positions", nargs="*", type=parse_position, default=(),
                         help="anchor positions to sweep as well (multiplies the run time)")
     parser.add_argument("--seed", type=int, default=0)

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import format_table, write_result
-from vllm_dspark.check import human_bytes, human_params
+from vllm_dspark import formats
+from vllm_dspark.checkpoint import human_bytes, human_params
 from vllm_dspark.presets import PRESETS
 
 
@@ -89,8 +90,8 @@ def _peak_rss_bytes() -> int:
 def run(preset: str = "k3", fmt: str = "fp8", workers: int = 1, *, model_dir: str | Path | None = None,
         work_dir: str | Path | None = None) -> dict[str, Any]:
     """Measure copy and quantize on ``model_dir`` (default: a fresh make-random ``preset`` checkpoint)."""
-    from vllm_dspark.check import check_checkpoint, stored_tensors
-    from vllm_dspark.checkpoint import load_config
+    from vllm_dspark.check import check_checkpoint
+    from vllm_dspark.checkpoint import load_config, stored_tensors
     from vllm_dspark.layout import checkpoint_modules
     from vllm_dspark.make_random import make_random
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quantizer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=list(PRESETS), default="k3")
-    parser.add_argument("--format", choices=("fp8", "mxfp4", "nvfp4"), default="fp8")
+    parser.add_argument("--format", choices=formats.names(), default="fp8")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--model", type=Path, default=None,
                         help="an existing BF16 checkpoint of --preset (default: make-random writes one)")

@@ -16,7 +16,6 @@ from safetensors.torch import save_file
 
 from vllm_dspark import formats
 from vllm_dspark.checkpoint import (
-    SafetensorsWriter,
     load_config,
     load_drafter_state_dict,
     load_target_heads,
@@ -27,6 +26,7 @@ from vllm_dspark.layout import tensor_shapes
 from vllm_dspark.make_random import make_random, random_drafter_tensors
 from vllm_dspark.presets import preset_config, preset_config_json
 from vllm_dspark.reference import ReferenceDrafter
+from vllm_dspark.st_io import Entry, SafetensorsWriter, save_tensors
 
 
 def tensors_of(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -111,16 +111,15 @@ def test_safetensors_writer_round_trips_every_dtype(tmp_path: Path) -> None:
         "u8": torch.randint(0, 255, (9,), dtype=torch.uint8),
         "empty": torch.zeros(0, 4),
     }
-    with SafetensorsWriter(tmp_path / "t.safetensors") as writer:
-        for name, tensor in tensors.items():
-            writer.add(name, tensor)
+    save_tensors(tmp_path / "t.safetensors", tensors)
     with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
         for name, tensor in tensors.items():
             got = f.get_tensor(name)
             assert got.dtype == tensor.dtype and torch.equal(got.view(torch.uint8), tensor.view(torch.uint8))
-    with pytest.raises(ValueError, match="written twice"), SafetensorsWriter(tmp_path / "u.safetensors") as writer:
-        writer.add("x", torch.ones(1))
-        writer.add("x", torch.ones(1))
+    with pytest.raises(ValueError, match="written twice"), \
+            SafetensorsWriter(tmp_path / "u.safetensors", [Entry.of("x", torch.ones(1))]) as writer:
+        writer.write("x", torch.ones(1))
+        writer.write("x", torch.ones(1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.safetensors"]
 
 

@@ -42,11 +42,11 @@ def _error_bound(q: dict[str, torch.Tensor], fmt: str, weight: torch.Tensor) -> 
     return step + x * 2**-8
 
 
-@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize("fmt", formats.names())
 def test_round_trip_through_compressed_tensors_decompression(fmt: str) -> None:
     weight = _weight()
     q = formats.quantize_weight(weight, fmt)
-    specs = formats.quantized_tensor_specs(fmt, tuple(weight.shape))
+    specs = formats.get(fmt).tensor_specs(tuple(weight.shape))
     assert {k: (v.dtype, tuple(v.shape)) for k, v in q.items()} == {k: (s.dtype, s.shape) for k, s in specs.items()}
     restored = formats.dequantize_weight(q, fmt, tuple(weight.shape))
     assert restored.dtype == torch.float32
@@ -56,7 +56,7 @@ def test_round_trip_through_compressed_tensors_decompression(fmt: str) -> None:
 
 def test_fp8_snr_beats_both_4bit_formats_by_a_wide_margin() -> None:
     weight = _weight()
-    snr = {fmt: formats.weight_snr_db(weight, formats.quantize_weight(weight, fmt), fmt) for fmt in formats.FORMATS}
+    snr = {fmt: formats.weight_snr_db(weight, formats.quantize_weight(weight, fmt), fmt) for fmt in formats.names()}
     assert snr["fp8"] > 28
     assert 14 < snr["mxfp4"] < 24 and 14 < snr["nvfp4"] < 24
     assert snr["fp8"] - max(snr["mxfp4"], snr["nvfp4"]) > 8, snr
@@ -70,11 +70,11 @@ def test_row_chunking_matches_a_single_pass(monkeypatch: pytest.MonkeyPatch) -> 
     assert all(torch.equal(whole[k].view(torch.uint8), chunked[k].view(torch.uint8)) for k in whole if k != "weight_global_scale")
 
 
-@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize("fmt", formats.names())
 def test_fake_quantize_equals_the_packed_round_trip_in_bf16(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(formats, "_CHUNK_ELEMENTS", 5 * 512)  # several chunks, a ragged last one
     weight = _weight()
-    shared = formats.nvfp4_global_scale([weight, 3 * weight]) if fmt == "nvfp4" else None
+    shared = formats.get("nvfp4").shared_global_scale([weight, 3 * weight]) if fmt == "nvfp4" else None
     packed = formats.quantize_weight(weight, fmt, global_scale=shared)
     round_trip = formats.dequantize_weight(packed, fmt, tuple(weight.shape)).to(torch.bfloat16)
     fake = formats.fake_quantize_weight(weight, fmt, global_scale=shared)
@@ -85,8 +85,8 @@ def test_fake_quantize_equals_the_packed_round_trip_in_bf16(fmt: str, monkeypatc
 
 def test_nvfp4_fused_shards_share_the_largest_magnitude_global_scale() -> None:
     small, large = _weight((32, 64)), 4 * _weight((32, 64))
-    shared = formats.nvfp4_global_scale([small, large])
-    assert torch.equal(shared, formats.nvfp4_global_scale([large]))
+    shared = formats.get("nvfp4").shared_global_scale([small, large])
+    assert torch.equal(shared, formats.get("nvfp4").shared_global_scale([large]))
     q = formats.quantize_weight(small, "nvfp4", global_scale=shared)
     assert torch.equal(q["weight_global_scale"], shared)
     assert formats.weight_snr_db(small, q, "nvfp4") > 15

@@ -181,7 +181,7 @@ def test_4bit_builds_resolve_to_the_recipe_at_vllm_runtime_names(encodings, fmt:
 def _dtypes(config, stored: dict[str, str]) -> dict[str, str]:
     """Header dtypes of a build of ``config`` whose modules ``stored`` ({module: fmt}) are quantized."""
     from vllm_dspark import formats
-    from vllm_dspark.checkpoint import SAFETENSORS_DTYPES
+    from vllm_dspark.st_io import SAFETENSORS_DTYPES
 
     out = {}
     for spec in checkpoint_modules(config):
@@ -190,7 +190,7 @@ def _dtypes(config, stored: dict[str, str]) -> dict[str, str]:
             out[f"{spec.name}.weight"] = "BF16"
         else:
             out |= {f"{spec.name}.{s}": SAFETENSORS_DTYPES[t.dtype]
-                    for s, t in formats.quantized_tensor_specs(fmt, spec.shape).items()}
+                    for s, t in formats.get(fmt).tensor_specs(spec.shape).items()}
         if spec.bias:
             out[f"{spec.name}.bias"] = "BF16"
     return out

@@ -48,7 +48,7 @@ def quantized(drafters: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     root = tmp_path_factory.mktemp("quantized")
     out = {}
     for preset, model_dir in drafters.items():
-        for fmt in formats.FORMATS:
+        for fmt in formats.names():
             out[preset, fmt] = root / f"{preset}-{fmt}"
             quantize_checkpoint(model_dir, out[preset, fmt], fmt, progress=False)
     return out
@@ -58,7 +58,7 @@ def quantized(drafters: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 def test_each_format_round_trips_with_snr_in_the_report(drafters, quantized, preset: str) -> None:
     source = _tensors(drafters[preset])
     snr = {}
-    for fmt in formats.FORMATS:
+    for fmt in formats.names():
         out_dir = quantized[preset, fmt]
         report = json.loads((out_dir / f"{REPORT_NAME}.json").read_text())
         assert f"| {report['modules'][0]['module']} |" in (out_dir / f"{REPORT_NAME}.md").read_text()
@@ -70,7 +70,7 @@ def test_each_format_round_trips_with_snr_in_the_report(drafters, quantized, pre
             name = row["module"]
             assert modules[name] == fmt
             weight = source[f"{name}.weight"]
-            parts = {s: written[f"{name}.{s}"] for s in formats.quantized_tensor_specs(fmt, tuple(weight.shape))}
+            parts = {s: written[f"{name}.{s}"] for s in formats.get(fmt).tensor_specs(tuple(weight.shape))}
             # The report's SNR is what compressed-tensors' own decompression of the written tensors gives.
             restored = formats.dequantize_weight(parts, fmt, tuple(weight.shape))
             noise = (restored - weight.float()).double().square().sum()

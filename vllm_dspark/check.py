@@ -1,86 +1,39 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-dspark check DIR``: structural verification of a drafter checkpoint before serving it.
 
-Reads only safetensors headers and the (small) scale tensors, so it takes seconds on the real
-6.6 GiB drafter. It verifies:
-
-- config.json is a valid K3 DSpark config, and every shard is readable and agrees with the index;
-- the quantization plan (:mod:`vllm_dspark.quant_plan`, the one every loader uses): the stored
-  tensors and the ``quantization_config`` agree, or a warning says which entries to rewrite;
-- every tensor's dtype and shape against that plan, with no tensor missing or unexpected (stray
-  ``lm_head`` / disabled ``confidence_head`` tensors, which the served model skips, are a warning);
-- scales are present and finite, and NVFP4 fused shards share one global scale.
-
+Reads only safetensors headers and the scale tensors. It verifies that config.json is a valid K3
+DSpark config and every shard agrees with the index; the quantization plan
+(:mod:`vllm_dspark.quant_plan`, the one every loader uses); every tensor's dtype and shape against
+that plan, with none missing or unexpected (stray ``lm_head`` / disabled ``confidence_head``
+tensors are a warning); and that scales are finite and NVFP4 fused shards share one global scale.
 Each violation is one problem string that names the tensor or module and the fix.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import safe_open
-
 from vllm_dspark import formats, quant_plan
-from vllm_dspark.checkpoint import SAFETENSORS_DTYPES, checked_weight_map, load_config, read_config_json
+from vllm_dspark.checkpoint import (
+    expected_tensors,
+    human_bytes,
+    human_params,
+    load_config,
+    read_config_json,
+    shape_mismatches,
+    stored_tensors,
+)
+from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.layout import ModuleSpec, checkpoint_modules, fused_module_groups
 from vllm_dspark.safety import describe_os_error, invalid_scale_count
+from vllm_dspark.st_io import SAFETENSORS_DTYPES, StoredTensor, read_tensor
 
 _REQUANTIZE = "re-quantize the BF16 checkpoint with `vllm-dspark quantize`"
-
-
-def human_params(n: int) -> str:
-    """``2.19 B`` / ``3.40 M``: parameter counts at the scale they are read."""
-    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
-
-
-def human_bytes(n: int) -> str:
-    """``4.60 GiB`` / ``0.27 MiB``."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """What a shard header says about one tensor."""
-
-    shard: Path
-    shape: tuple[int, ...]
-    dtype: str  # safetensors dtype name: BF16, F8_E4M3, U8, ...
-    offset: int  # where its bytes start in the shard file
-    nbytes: int
-
-
-def _shard_header(path: Path) -> dict[str, StoredTensor]:
-    # The format: an 8-byte little-endian header length, the JSON header, then the data, with
-    # each tensor's [begin, end) relative to the end of the header.
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return {
-        key: StoredTensor(path, tuple(entry["shape"]), entry["dtype"], 8 + length + entry["data_offsets"][0],
-                          entry["data_offsets"][1] - entry["data_offsets"][0])
-        for key, entry in header.items()
-    }
-
-
-def stored_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
-    """``{key: StoredTensor}`` of a checkpoint directory, read from its headers only.
-
-    Raises ``ValueError`` naming the file and the fix for a missing, corrupt or truncated shard or
-    an index that disagrees with its shards (safetensors validates each file's header and size).
-    """
-    weight_map = checked_weight_map(Path(model_dir))
-    headers: dict[str, StoredTensor] = {}
-    for shard in dict.fromkeys(weight_map.values()):
-        headers.update(_shard_header(shard))
-    return {key: headers[key] for key in weight_map}
 
 
 @dataclass
@@ -109,54 +62,36 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def _expected(spec: ModuleSpec, fmt: str | None) -> dict[str, formats.TensorSpec | None]:
-    """``{key: TensorSpec}`` of a module's tensors; None means any float dtype at the layout shape."""
-    if fmt is None:
-        expected: dict[str, formats.TensorSpec | None] = {f"{spec.name}.weight": None}
-    else:
-        expected = {f"{spec.name}.{s}": t for s, t in formats.quantized_tensor_specs(fmt, spec.shape).items()}
-    if spec.bias:
-        expected[f"{spec.name}.bias"] = None
-    return expected
-
-
-def _tensor_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored: dict[str, StoredTensor],
+def _tensor_problems(config: K3DSparkConfig, quantized: dict[str, str], stored: dict[str, StoredTensor],
                      stray: tuple[str, ...]) -> list[str]:
+    expected = expected_tensors(config, quantized)
+    found = {k: t.shape for k, t in stored.items() if k not in stray}
+    missing, misshaped, unexpected = shape_mismatches(found, {k: t.shape for k, t in expected.items()})
+
+    def what(key: str) -> str:
+        module = key.rpartition(".")[0]
+        return f"the {quantized[module]} module {module}" if module in quantized else f"the unquantized module {module}"
+
     problems = []
-    expected_keys: set[str] = set()
-    for spec in specs:
-        fmt = quantized.get(spec.name)
-        for key, want in _expected(spec, fmt).items():
-            expected_keys.add(key)
-            shape = (spec.shape[0],) if key.endswith(".bias") else spec.shape if want is None else want.shape
-            what = f"the {fmt} module {spec.name}" if fmt else f"the unquantized module {spec.name}"
-            got = stored.get(key)
-            if got is None:
-                fix = _REQUANTIZE if fmt else "use the shards written with this config.json"
-                problems.append(f"{key}: missing; {what} needs it (shape {shape}). Fix: {fix}")
-                continue
-            if got.shape != tuple(shape):
-                problems.append(f"{key}: shape {got.shape}, but {what} needs {tuple(shape)}. Fix: use the "
-                                "config.json written with these shards, or re-export them")
-            ok_dtypes = (quant_plan.FLOAT_DTYPES if want is None
-                         else [SAFETENSORS_DTYPES[d] for d in (want.dtype, *want.also)])
-            if got.dtype not in ok_dtypes:
-                fix = _REQUANTIZE if fmt or got.dtype not in quant_plan.FLOAT_DTYPES else "store it in BF16"
-                problems.append(f"{key}: dtype {got.dtype}, but {what} stores it as {' or '.join(ok_dtypes)}. "
-                                f"Fix: {fix}")
-    for key in sorted(set(stored) - expected_keys - set(stray)):
+    for key in missing:
+        fix = _REQUANTIZE if key.rpartition(".")[0] in quantized else "use the shards written with this config.json"
+        problems.append(f"{key}: missing; {what(key)} needs it (shape {expected[key].shape}). Fix: {fix}")
+    problems += [f"{key}: shape {found[key]}, but {what(key)} needs {expected[key].shape}. Fix: use the config.json "
+                 "written with these shards, or re-export them" for key in misshaped]
+    for key, want in expected.items():
+        ok_dtypes = [SAFETENSORS_DTYPES[d] for d in (want.dtype, *want.also)]
+        if key in found and stored[key].dtype not in ok_dtypes:
+            problems.append(f"{key}: dtype {stored[key].dtype}, but {what(key)} stores it as {' or '.join(ok_dtypes)}. "
+                            f"Fix: {_REQUANTIZE}")
+    modules = {spec.name for spec in checkpoint_modules(config)}
+    for key in sorted(unexpected):
         module = key.rpartition(".")[0]
         reason = (f"{module} is {quantized[module]} and does not store it" if module in quantized
-                  else f"{module} is not quantized by config.json" if any(s.name == module for s in specs)
+                  else f"{module} is not quantized by config.json" if module in modules
                   else "no module of this config has it")
         problems.append(f"{key}: unexpected tensor ({reason}). Fix: remove it, or use the config.json written "
                         "with these shards")
     return problems
-
-
-def _load(stored: dict[str, StoredTensor], key: str) -> torch.Tensor:
-    with safe_open(str(stored[key].shard), framework="pt") as f:
-        return f.get_tensor(key)
 
 
 def _scale_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored: dict[str, StoredTensor]) -> list[str]:
@@ -166,11 +101,11 @@ def _scale_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored: 
         fmt = quantized.get(spec.name)
         if fmt is None:
             continue
-        for suffix in formats.quantized_tensor_specs(fmt, spec.shape):
+        for suffix in formats.get(fmt).tensor_specs(spec.shape):
             key = f"{spec.name}.{suffix}"
             if not suffix.endswith("scale") or key not in stored:
                 continue  # a missing scale is already a missing-tensor problem
-            scale = _load(stored, key)
+            scale = read_tensor(stored[key].path, key)
             bad = invalid_scale_count(scale)
             if bad:
                 problems.append(f"{key}: {bad} of {scale.numel()} scale values are NaN, infinite or not positive. "
@@ -206,7 +141,7 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
     size = sum(t.nbytes for t in stored.values())
     report.summary.append(f"K3 DSpark drafter: {config.num_hidden_layers} layers, hidden_size {config.hidden_size}, "
                           f"{len(specs)} modules with weights")
-    report.summary.append(f"{len(stored)} tensors in {len({t.shard for t in stored.values()})} shard(s): "
+    report.summary.append(f"{len(stored)} tensors in {len({t.path for t in stored.values()})} shard(s): "
                           f"{human_bytes(size)}")
     target = model_dir / "target" / "model.safetensors"
     if target.is_file():
@@ -223,7 +158,7 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
         _summarize_quantization(report, quantized, specs)
     report.quantized_modules = quantized
     report.problems += _scale_problems(specs, quantized, stored)
-    report.problems += _tensor_problems(specs, quantized, stored, stray)
+    report.problems += _tensor_problems(config, quantized, stored, stray)
     return report
 
 

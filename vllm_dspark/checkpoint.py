@@ -3,15 +3,11 @@
 
 A drafter directory holds ``config.json`` (a ``K3DSparkConfig``, plus a compressed-tensors
 ``quantization_config`` when quantized) and its weights under the HF key names of
-:mod:`vllm_dspark.layout`, either as ``model.safetensors`` or as shards
-``model-0000i-of-0000n.safetensors`` listed in ``model.safetensors.index.json``.
-
-The target's embedding and lm_head, which the drafter shares, live elsewhere: in the target's own
-directory (keys ``model.embed_tokens.weight`` and ``lm_head.weight``), or in the ``target/``
-directory that ``vllm-dspark make-random`` writes next to the drafter.
-
-Every way a checkpoint can disagree with its config is reported as one ``ValueError`` that names
-each offending tensor and the shape the config implies, before any weight is read into memory.
+:mod:`vllm_dspark.layout`, as ``model.safetensors`` or as shards listed in
+``model.safetensors.index.json``. The target's embedding and lm_head, which the drafter shares,
+live in the target's own directory or in the ``target/`` directory ``vllm-dspark make-random``
+writes. Every way a checkpoint can disagree with its config is one ``ValueError`` naming each
+offending tensor and the shape the config implies, before any weight is read.
 """
 
 from __future__ import annotations
@@ -19,19 +15,19 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shutil
-import struct
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
 
 from vllm_dspark.config import K3DSparkConfig, check_identity
 from vllm_dspark.layout import checkpoint_modules
 from vllm_dspark.safety import invalid_scale_count
+from vllm_dspark.st_io import Entry, SafetensorsWriter, StoredTensor, TensorReader, read_header, read_tensor
+
+if TYPE_CHECKING:
+    from vllm_dspark.formats import TensorSpec
 
 __all__ = [
     "CONFIG_NAME",
@@ -39,14 +35,16 @@ __all__ = [
     "SINGLE_FILE_NAME",
     "TARGET_EMBED_KEY",
     "TARGET_LM_HEAD_KEY",
-    "SafetensorsWriter",
-    "expected_tensor_shapes",
+    "expected_tensors",
+    "human_bytes",
+    "human_params",
     "load_config",
     "load_drafter_state_dict",
     "load_target_heads",
     "read_config_json",
     "save_drafter",
-    "stored_dtypes",
+    "shape_mismatches",
+    "stored_tensors",
     "validate_tensor_shapes",
 ]
 
@@ -61,20 +59,14 @@ _LOG = logging.getLogger(__name__)
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _MAX_LISTED_PROBLEMS = 12
 
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+def human_params(n: int) -> str:
+    """``2.19 B`` / ``3.40 M``: parameter counts at the scale they are read."""
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
+def human_bytes(n: int) -> str:
+    """``4.60 GiB`` / ``0.27 MiB``."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
 
 
 # ----- config.json -----
@@ -127,30 +119,41 @@ def _describe(config: K3DSparkConfig) -> str:
 # ----- expected tensors -----
 
 
-def expected_tensor_shapes(
-    config: K3DSparkConfig, quantized: Mapping[str, str] | None = None
-) -> dict[str, tuple[int, ...]]:
-    """``{key: shape}`` a checkpoint for ``config`` must hold; ``quantized`` maps module -> format.
+def expected_tensors(config: K3DSparkConfig, quantized: Mapping[str, str] | None = None) -> dict[str, TensorSpec]:
+    """``{key: TensorSpec}`` a checkpoint for ``config`` must hold; ``quantized`` maps module -> format.
 
-    A quantized module holds its format's tensors (:func:`formats.quantized_tensor_specs`: packed
-    codes and scales) instead of ``weight``.
+    An unquantized tensor is BF16 (F16 and F32 also load); a quantized module holds its format's
+    tensors (packed codes and scales) instead of ``weight``.
     """
     from vllm_dspark import formats
 
     quantized = quantized or {}
-    shapes: dict[str, tuple[int, ...]] = {}
+    expected: dict[str, TensorSpec] = {}
     for spec in checkpoint_modules(config):
         fmt = quantized.get(spec.name)
         if fmt is None:
-            shapes[f"{spec.name}.weight"] = spec.shape
-        elif fmt not in formats.FORMATS:
-            raise ValueError(f"{spec.name}: quantization format {fmt!r} is not one of {', '.join(formats.FORMATS)}.")
+            expected[f"{spec.name}.weight"] = _float_tensor(spec.shape)
         else:
-            for suffix, tensor in formats.quantized_tensor_specs(fmt, spec.shape).items():
-                shapes[f"{spec.name}.{suffix}"] = tensor.shape
+            for suffix, tensor in formats.get(fmt).tensor_specs(spec.shape).items():
+                expected[f"{spec.name}.{suffix}"] = tensor
         if spec.bias:
-            shapes[f"{spec.name}.bias"] = (spec.shape[0],)
-    return shapes
+            expected[f"{spec.name}.bias"] = _float_tensor((spec.shape[0],))
+    return expected
+
+
+def _float_tensor(shape: tuple[int, ...]) -> TensorSpec:
+    from vllm_dspark.formats import TensorSpec
+
+    return TensorSpec(torch.bfloat16, shape, also=(torch.float16, torch.float32))
+
+
+def shape_mismatches(
+    found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]
+) -> tuple[list[str], list[str], list[str]]:
+    """The ``(missing, mis-shaped, unexpected)`` keys of ``found`` against ``expected``."""
+    missing = [key for key in expected if key not in found]
+    misshaped = [key for key in expected if key in found and tuple(found[key]) != tuple(expected[key])]
+    return missing, misshaped, [key for key in found if key not in expected]
 
 
 def validate_tensor_shapes(
@@ -161,31 +164,22 @@ def validate_tensor_shapes(
     config: K3DSparkConfig,
 ) -> None:
     """Raise one ``ValueError`` listing every missing, unexpected and mis-shaped tensor."""
-    problems: list[str] = []
-    kinds: set[str] = set()
-    for key, shape in expected.items():
-        if key not in found:
-            kinds.add("missing")
-            problems.append(f"missing tensor {key!r} (expected shape {shape})")
-        elif tuple(found[key]) != tuple(shape):
-            kinds.add("shape")
-            problems.append(f"tensor {key!r} has shape {tuple(found[key])}, expected shape {shape}")
-    for key in found:
-        if key not in expected:
-            kinds.add("unexpected")
-            problems.append(f"unexpected tensor {key!r} with shape {tuple(found[key])} "
-                            "(no such tensor in a drafter with this config)")
+    missing, misshaped, unexpected = shape_mismatches(found, expected)
+    problems = [f"missing tensor {key!r} (expected shape {expected[key]})" for key in missing]
+    problems += [f"tensor {key!r} has shape {tuple(found[key])}, expected shape {expected[key]}" for key in misshaped]
+    problems += [f"unexpected tensor {key!r} with shape {tuple(found[key])} (no such tensor in a drafter with this "
+                 "config)" for key in unexpected]
     if not problems:
         return
     listed = problems[:_MAX_LISTED_PROBLEMS]
     if len(problems) > len(listed):
         listed.append(f"... and {len(problems) - len(listed)} more")
     # compressed-tensors names a quantized weight's tensors weight_packed, weight_scale, weight_global_scale, ...
-    quantized_extra = [k for k in found if k not in expected and k.rsplit(".", 1)[-1].startswith("weight_")]
+    quantized_extra = [k for k in unexpected if k.rsplit(".", 1)[-1].startswith("weight_")]
     if quantized_extra:
         fix = (f"the shards hold quantized tensors ({quantized_extra[0]}, ...) that config.json's "
                "quantization_config does not describe: use the config.json written with these shards")
-    elif kinds == {"missing"}:
+    elif missing and not misshaped and not unexpected:
         fix = ("the checkpoint is incomplete: check that every shard listed in the index was copied, "
                "or re-export it")
     else:
@@ -197,18 +191,6 @@ def validate_tensor_shapes(
 
 
 # ----- reading safetensors -----
-
-
-def _open(path: Path):
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
-        raise ValueError(f"{path} is not a readable safetensors file ({e}). Fix: re-copy or re-export it.") from None
-
-
-def _file_keys(path: Path) -> list[str]:
-    with _open(path) as f:
-        return list(f.keys())
 
 
 def _weight_map(model_dir: Path) -> dict[str, Path]:
@@ -233,7 +215,7 @@ def _weight_map(model_dir: Path) -> dict[str, Path]:
         return {key: model_dir / name for key, name in weight_map.items()}
     single = model_dir / SINGLE_FILE_NAME
     if single.is_file():
-        return {key: single for key in _file_keys(single)}
+        return dict.fromkeys(read_header(single), single)
     shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if shards:
         raise ValueError(f"{model_dir} has shards ({', '.join(shards[:3])}{', ...' if len(shards) > 3 else ''}) "
@@ -242,16 +224,18 @@ def _weight_map(model_dir: Path) -> dict[str, Path]:
                      "Fix: pass the directory the checkpoint was downloaded or exported to.")
 
 
-def checked_weight_map(model_dir: Path) -> dict[str, Path]:
-    """The weight map, after checking that each shard holds exactly the tensors the index says."""
-    weight_map = _weight_map(model_dir)
-    by_file: dict[Path, set[str]] = {}
-    for key, path in weight_map.items():
-        by_file.setdefault(path, set()).add(key)
-    for path, keys in by_file.items():
-        actual = set(_file_keys(path))
-        absent = sorted(keys - actual)
-        extra = sorted(actual - keys)
+def stored_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
+    """``{key: StoredTensor}`` of a drafter directory, from its headers, checked against its index.
+
+    ``ValueError`` naming the file and the fix for a missing, corrupt or truncated shard or an
+    index that disagrees with its shards.
+    """
+    weight_map = _weight_map(Path(model_dir))
+    headers: dict[str, StoredTensor] = {}
+    for path in dict.fromkeys(weight_map.values()):
+        header = read_header(path)
+        keys = {key for key, p in weight_map.items() if p == path}
+        absent, extra = sorted(keys - header.keys()), sorted(header.keys() - keys)
         if absent or extra:
             parts = []
             if absent:
@@ -260,26 +244,8 @@ def checked_weight_map(model_dir: Path) -> dict[str, Path]:
                 parts.append(f"it holds {', '.join(extra[:5])}, which the index does not list")
             raise ValueError(f"{INDEX_NAME} and shard {path.name} disagree: {'; '.join(parts)}. "
                              "Fix: use the index written together with these shards.")
-    return weight_map
-
-
-def stored_dtypes(weight_map: Mapping[str, Path]) -> dict[str, str]:
-    """``{key: safetensors dtype}`` from the file headers, without reading any tensor data."""
-    return {key: dtype for key, (_, dtype) in _header(weight_map).items()}
-
-
-def _header(weight_map: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{key: (shape, safetensors dtype)}`` from the file headers, without reading any tensor data."""
-    info: dict[str, tuple[tuple[int, ...], str]] = {}
-    by_file: dict[Path, list[str]] = {}
-    for key, path in weight_map.items():
-        by_file.setdefault(path, []).append(key)
-    for path, keys in by_file.items():
-        with _open(path) as f:
-            for key in keys:
-                piece = f.get_slice(key)
-                info[key] = (tuple(piece.get_shape()), piece.get_dtype())
-    return info
+        headers.update(header)
+    return {key: headers[key] for key in weight_map}
 
 
 def load_drafter_state_dict(
@@ -301,26 +267,25 @@ def load_drafter_state_dict(
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     raw = read_config_json(model_dir)
-    weight_map = checked_weight_map(model_dir)
-    header = _header(weight_map)
+    stored = stored_tensors(model_dir)
     try:
-        plan = resolve(config, raw.get("quantization_config"), {k: d for k, (_, d) in header.items()})
+        plan = resolve(config, raw.get("quantization_config"), {k: t.dtype for k, t in stored.items()})
     except QuantPlanError as e:
         raise ValueError(f"{model_dir}: {e}") from None
     for warning in (plan.warning, plan.stray_warning()):
         if warning:
             _LOG.warning("%s: %s", model_dir, warning)
-    header = {k: v for k, v in header.items() if not is_stray(k, config)}
+    stored = {k: t for k, t in stored.items() if not is_stray(k, config)}
     quantized = plan.modules
-    validate_tensor_shapes({k: s for k, (s, _) in header.items()}, expected_tensor_shapes(config, quantized),
-                           source=f"checkpoint {model_dir}", config=config)
+    expected = {k: t.shape for k, t in expected_tensors(config, quantized).items()}
+    validate_tensor_shapes({k: t.shape for k, t in stored.items()}, expected, source=f"checkpoint {model_dir}",
+                           config=config)
 
     state_dict: dict[str, torch.Tensor] = {}
-    with ExitStack() as stack:
-        handles = {path: stack.enter_context(_open(path)) for path in set(weight_map.values())}
+    with TensorReader() as reader:
 
         def read(key: str) -> torch.Tensor:
-            return handles[weight_map[key]].get_tensor(key)
+            return reader.read(stored[key].path, key)
 
         for spec in checkpoint_modules(config):
             fmt = quantized.get(spec.name)
@@ -342,7 +307,7 @@ def _dequantize(
     """``module``'s weight, dequantized from the ``fmt`` tensors that ``read(key)`` returns."""
     from vllm_dspark import formats
 
-    parts = {suffix: read(f"{module}.{suffix}") for suffix in formats.quantized_tensor_specs(fmt, shape)}
+    parts = {suffix: read(f"{module}.{suffix}") for suffix in formats.get(fmt).tensor_specs(shape)}
     for suffix, tensor in parts.items():
         bad = invalid_scale_count(tensor) if suffix.endswith("scale") else 0
         if bad:
@@ -350,7 +315,7 @@ def _dequantize(
                              "negative, so the weight cannot be dequantized. Fix: re-quantize the BF16 checkpoint "
                              "with `vllm-dspark quantize`.")
     try:
-        weight = formats.dequantize_weight(parts, fmt, tuple(shape))
+        weight = formats.get(fmt).dequantize(parts, tuple(shape))
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"{module}: cannot dequantize its {fmt} weight: {e}") from None
     if tuple(weight.shape) != tuple(shape):
@@ -368,7 +333,7 @@ def load_target_heads(
     """
     target_dir = Path(target_dir)
     if target_dir.is_file():
-        weight_map = {key: target_dir for key in _file_keys(target_dir)}
+        weight_map = dict.fromkeys(read_header(target_dir), target_dir)
     elif target_dir.is_dir():
         weight_map = _weight_map(target_dir)
     else:
@@ -378,12 +343,9 @@ def load_target_heads(
     if missing:
         raise ValueError(f"target {target_dir} lacks {' and '.join(missing)}. Fix: pass the target model the "
                          "drafter was trained for; the drafter shares its embedding and lm_head.")
-    heads = []
-    for key in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY):
-        with _open(weight_map[key]) as f:
-            tensor = f.get_tensor(key)
-        heads.append(tensor if dtype is None else tensor.to(dtype))
-    embed, lm_head = heads
+    embed, lm_head = (read_tensor(weight_map[key], key) for key in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY))
+    if dtype is not None:
+        embed, lm_head = embed.to(dtype), lm_head.to(dtype)
     if embed.dim() != 2 or embed.shape != lm_head.shape:
         raise ValueError(f"target {target_dir}: {TARGET_EMBED_KEY} {tuple(embed.shape)} and {TARGET_LM_HEAD_KEY} "
                          f"{tuple(lm_head.shape)} must both be [vocab_size, hidden_size].")
@@ -393,108 +355,45 @@ def load_target_heads(
 # ----- writing -----
 
 
-class SafetensorsWriter:
-    """Writes one ``.safetensors`` file tensor by tensor, holding at most one tensor in memory.
-
-    The header (which precedes the data in the format) is only known at the end, so tensor bytes go to
-    a side file first and are appended after the header on :meth:`close`.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._data_path = self.path.with_name(f".{self.path.name}.data")
-        self._data = open(self._data_path, "wb")  # noqa: SIM115 - closed in close()/abort()
-        self._entries: dict[str, dict[str, Any]] = {}
-        self.nbytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._entries:
-            raise ValueError(f"tensor {name!r} written twice to {self.path}.")
-        if tensor.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} cannot be stored in safetensors.")
-        t = tensor.detach().to("cpu").contiguous()
-        size = t.numel() * t.element_size()
-        self._data.write(t.reshape(-1).view(torch.uint8).numpy().data)
-        self._entries[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                               "data_offsets": [self.nbytes, self.nbytes + size]}
-        self.nbytes += size
-
-    def close(self) -> None:
-        self._data.close()
-        header = json.dumps({"__metadata__": {"format": "pt"}, **self._entries}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)  # the format allows space padding; aligned data reads faster
-        partial = self.path.with_name(f".{self.path.name}.partial")
-        with open(partial, "wb") as out, open(self._data_path, "rb") as data:
-            out.write(struct.pack("<Q", len(header)))
-            out.write(header)
-            shutil.copyfileobj(data, out, 64 << 20)
-        self._data_path.unlink()
-        partial.replace(self.path)
-
-    def abort(self) -> None:
-        self._data.close()
-        self._data_path.unlink(missing_ok=True)
-
-    def __enter__(self) -> SafetensorsWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
-
 def save_drafter(
     model_dir: str | Path,
     config_json: Mapping[str, Any],
     tensors: Iterable[tuple[str, torch.Tensor]],
     *,
+    entries: Sequence[Entry] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
     """Write a drafter directory: shards ``model-0000i-of-0000n.safetensors``, the index, config.json.
 
-    ``tensors`` is consumed lazily, one tensor at a time, so a generator keeps peak memory near the
-    largest tensor. ``config.json`` is written last: a directory that has one is complete.
+    With ``entries`` (every tensor's :class:`Entry`, in order) ``tensors`` may be a generator, consumed
+    one tensor at a time. ``config.json`` is written last: a directory that has one is complete.
     """
     model_dir = Path(model_dir)
+    if entries is None:
+        tensors = list(tensors)
+        entries = [Entry.of(key, tensor) for key, tensor in tensors]
+    if not entries:
+        raise ValueError("save_drafter: no tensors to write.")
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if shards[-1] and size + entry.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+
     model_dir.mkdir(parents=True, exist_ok=True)
     for stale in [model_dir / INDEX_NAME, model_dir / SINGLE_FILE_NAME, model_dir / CONFIG_NAME,
                   *(p for p in model_dir.iterdir() if _SHARD_RE.match(p.name))]:
         stale.unlink(missing_ok=True)
-
-    shard_paths: list[Path] = []
-    weight_map: dict[str, int] = {}
-    writer: SafetensorsWriter | None = None
-    total = 0
-    try:
-        for name, tensor in tensors:
-            size = tensor.numel() * tensor.element_size()
-            if writer is not None and writer.nbytes and writer.nbytes + size > max_shard_bytes:
-                writer.close()
-                writer = None
-            if writer is None:
-                shard_paths.append(model_dir / f".shard-{len(shard_paths) + 1:05d}.safetensors")
-                writer = SafetensorsWriter(shard_paths[-1])
-            writer.add(name, tensor)
-            weight_map[name] = len(shard_paths)
-            total += size
-        if writer is None:
-            raise ValueError("save_drafter: no tensors to write.")
-        writer.close()
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        for path in shard_paths:
-            path.unlink(missing_ok=True)
-        raise
-
-    count = len(shard_paths)
-    names = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-    for path, name in zip(shard_paths, names):
-        path.replace(model_dir / name)
-    index = {"metadata": {"total_size": total},
-             "weight_map": {key: names[shard - 1] for key, shard in sorted(weight_map.items())}}
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    stream = iter(tensors)
+    for name, planned in zip(names, shards):
+        with SafetensorsWriter(model_dir / name, planned) as writer:
+            for _ in planned:
+                writer.write(*next(stream))
+    weight_map = {entry.key: name for name, planned in zip(names, shards) for entry in planned}
+    index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": dict(sorted(weight_map.items()))}
     (model_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     (model_dir / CONFIG_NAME).write_text(json.dumps(dict(config_json), indent=2) + "\n")

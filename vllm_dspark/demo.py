@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {how}: {', '.join(kinds)}")
 
     _step(f"5/5 eval: drift from the FP32 reference ({args.blocks} blocks per regime)")
-    return cli.main(["eval", "--model", str(drafter), "--variants", "bf16", "fp8", "mxfp4", "nvfp4",
+    return cli.main(["eval", "--model", str(drafter),
                      "--regimes", "gauss", "heavy", "boot", "--blocks", str(args.blocks),
                      "--out", str(args.out / "eval"), "--seed", str(args.seed)])
 

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from vllm_dspark.safety import check_output, require_finite, staged
+from vllm_dspark.safety import check_output, require_finite
+from vllm_dspark.st_io import save_tensors
 
 if TYPE_CHECKING:
     from vllm_dspark.config import K3DSparkConfig
@@ -138,8 +139,7 @@ def _write(tensors: dict[str, torch.Tensor], out: Path, flag: str, inputs: list[
     check_output(out, inputs, flag=flag)
     if out.is_dir():
         raise ValueError(f"{flag} {out} is a directory. Fix: pass a file path, e.g. {out / 'out.safetensors'}.")
-    with staged(out, directory=False) as staging:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging))
+    save_tensors(out, tensors)
 
 
 def main(argv: list[str] | None = None) -> int:

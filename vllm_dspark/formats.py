@@ -1,20 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The three weight-only formats a drafter can be quantized to, as compressed-tensors writes them.
+"""The weight-only formats a drafter can be quantized to: one :class:`QuantFormat` per format.
 
-Everything numeric comes from the compressed-tensors package: its preset schemes define the
-formats, its qparam helpers compute the scales, its compressors quantize, pack and decompress.
-This module only chooses the scheme per format, feeds tensors through it in row chunks (so a
-14336 x 7168 projection never needs more than a few tens of MiB of scratch), and writes and
-parses ``quantization_config`` blocks; which modules one quantizes is :mod:`vllm_dspark.quant_plan`'s.
-
-========  ==========================================  ===========================================
-format    weights                                     tensors per module (N out, K in)
-========  ==========================================  ===========================================
-fp8       E4M3, symmetric, one scale per out channel  weight f8e4m3 [N,K], weight_scale f32 [N,1]
-mxfp4     E2M1 in groups of 32, E8M0 scales           weight_packed u8 [N,K/2], weight_scale u8 [N,K/32]
-nvfp4     E2M1 in groups of 16, E4M3 scales,          weight_packed u8 [N,K/2], weight_scale f8e4m3
-          one fp32 global scale per tensor            [N,K/16], weight_global_scale f32 [1]
-========  ==========================================  ===========================================
+Everything numeric comes from compressed-tensors (preset schemes, qparam helpers, compressors);
+a format chooses its scheme, declares the tensors it stores per module, and recognises its own
+config groups and stored tensors. :data:`REGISTRY` holds them by name; every tool asks it, so a
+new format is one registered class. The math runs in row chunks (:func:`quantize_weight` and
+friends) so a large projection never needs the whole float32 weight as scratch. Which modules
+one quantizes is :mod:`vllm_dspark.quant_plan`'s.
 """
 
 from __future__ import annotations
@@ -29,6 +21,7 @@ import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.quantization import (
+    QuantizationArgs,
     QuantizationConfig,
     QuantizationScheme,
     QuantizationStatus,
@@ -51,27 +44,9 @@ from vllm_dspark.layout import (
 if TYPE_CHECKING:
     from vllm_dspark.config import K3DSparkConfig
 
-FORMATS: tuple[str, ...] = ("fp8", "mxfp4", "nvfp4")
-
-# The compressed-tensors preset each format takes its weight args from. There is no weight-only
-# per-channel FP8 preset: FP8_DYNAMIC's weights are exactly that (static, symmetric, per output
-# channel), and its dynamic per-token input quantization is dropped to make it W8A16.
-_PRESETS = {"fp8": "FP8_DYNAMIC", "mxfp4": "MXFP4A16", "nvfp4": "NVFP4A16"}
-
-# The format strings vLLM's loader accepts per format. compressed-tensors labels weight-only FP8
-# "naive-quantized" (its float-quantized compressor requires input activations); older exports
-# say "float-quantized". vLLM reaches its W8A16 FP8 scheme from both, and not from pack-quantized.
-ACCEPTED_FORMAT_STRINGS = {
-    "fp8": ("naive-quantized", "float-quantized"),
-    "mxfp4": ("mxfp4-pack-quantized",),
-    "nvfp4": ("nvfp4-pack-quantized",),
-}
-
-# Rows per chunk are chosen so that one chunk holds about this many weights: a 4 MiB float32 chunk
-# stays in cache across compressed-tensors' several elementwise passes (measured fastest), and the
-# FP4 packer's [rows, K, 8] float scratch tensor stays near 32 MiB.
+# Rows per chunk hold about this many weights: the chunk stays in cache across compressed-tensors'
+# elementwise passes, and the FP4 packer's [rows, K, 8] float scratch stays small.
 _CHUNK_ELEMENTS = 1 << 20
-
 
 
 @dataclass(frozen=True)
@@ -83,51 +58,172 @@ class TensorSpec:
     also: tuple[torch.dtype, ...] = ()
 
 
-def _check_format(fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown quant format {fmt!r}; choose one of {', '.join(FORMATS)}")
+_WEIGHT_FIELDS = ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic", "scale_dtype")
 
 
-@functools.cache
-def _scheme(fmt: str) -> QuantizationScheme:
-    """The compressed-tensors scheme of ``fmt`` (targets filled in by :func:`quantization_config`)."""
-    _check_format(fmt)
-    scheme = preset_name_to_scheme(_PRESETS[fmt], targets=[]).model_copy(update={"input_activations": None})
-    scheme.format = infer_module_format(torch.nn.Linear, scheme)
-    return scheme
+class QuantFormat:
+    """One weight-only format: its compressed-tensors scheme and the tensors it stores per module."""
+
+    name: str  # the --quant_format value and the eval variant name
+    preset: str  # the compressed-tensors preset whose weight args it takes (input activations dropped)
+    format_strings: tuple[str, ...]  # the compressed-tensors format labels vLLM loads it from
+    description: str  # one line for --help and error messages
+    contract = _WEIGHT_FIELDS  # the weight args a config group must share with the scheme to be this format
+    has_global_scale = False
+
+    @functools.cached_property
+    def scheme(self) -> QuantizationScheme:
+        """The compressed-tensors scheme (targets filled in by :func:`compressed_tensors_config`)."""
+        scheme = preset_name_to_scheme(self.preset, targets=[]).model_copy(update={"input_activations": None})
+        scheme.format = infer_module_format(torch.nn.Linear, scheme)
+        return scheme
+
+    @property
+    def compressor(self) -> type[BaseCompressor]:
+        return BaseCompressor.get_value_from_registry(self.scheme.format)
+
+    @property
+    def group_size(self) -> int | None:
+        """Input columns per scale; None for a whole row or tensor."""
+        return self.scheme.weights.group_size
+
+    def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
+        """``{suffix: TensorSpec}`` of the tensors that replace a [N, K] ``weight``: what vLLM's scheme loads."""
+        raise NotImplementedError
+
+    def identify(self, dtypes: Mapping[str, str]) -> bool:
+        """Whether a module's stored ``{suffix: safetensors dtype}`` are this format's tensors."""
+        raise NotImplementedError
+
+    def matches(self, weights: QuantizationArgs) -> bool:
+        """Whether a config group's weight args are this format's."""
+        return all(getattr(weights, f) == getattr(self.scheme.weights, f) for f in self.contract)
+
+    def shared_global_scale(self, weights: Iterable[torch.Tensor]) -> torch.Tensor | None:
+        """The one global scale weights that vLLM fuses must share; None for a format without one."""
+        return None
+
+    def quantize(self, weight: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        return quantize_weight(weight, self.name, global_scale=global_scale)
+
+    def fake_quantize(self, weight: torch.Tensor, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+        return fake_quantize_weight(weight, self.name, global_scale=global_scale)
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+        return dequantize_weight(dict(tensors), self.name, shape)
+
+    def snr_db(self, weight: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> float:
+        return weight_snr_db(weight, dict(tensors), self.name)
 
 
-def _compressor(fmt: str) -> type[BaseCompressor]:
-    return BaseCompressor.get_value_from_registry(_scheme(fmt).format)
+REGISTRY: dict[str, QuantFormat] = {}
 
 
-def group_size(fmt: str) -> int | None:
-    """Input columns per scale: 32 for mxfp4, 16 for nvfp4, None (whole row) for fp8."""
-    return _scheme(fmt).weights.group_size
+def register(cls: type[QuantFormat]) -> type[QuantFormat]:
+    """Class decorator: add a format to :data:`REGISTRY` under its ``name``."""
+    REGISTRY[cls.name] = cls()
+    return cls
 
 
-def quantized_tensor_specs(fmt: str, shape: tuple[int, int]) -> dict[str, TensorSpec]:
-    """``{suffix: TensorSpec}`` of the tensors that replace a [N, K] ``weight`` in format ``fmt``.
+def get(name: str) -> QuantFormat:
+    """The registered format ``name``; ``ValueError`` naming the choices for any other."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown quant format {name!r}; choose one of {', '.join(REGISTRY)}") from None
 
-    This is the on-disk contract vLLM's compressed-tensors schemes load (W8A16Fp8, W4A4Mxfp4,
-    W4A4Fp4 with use_a16): the quantizer plans its output from it and the checker verifies it.
-    """
-    _check_format(fmt)
-    n, k = shape
-    if fmt == "fp8":
+
+def names() -> tuple[str, ...]:
+    """The registered formats' names, in registration order."""
+    return tuple(REGISTRY)
+
+
+@register
+class FP8(QuantFormat):
+    """E4M3, symmetric, one scale per output channel: weight f8e4m3 [N,K], weight_scale f32 [N,1]."""
+
+    name = "fp8"
+    # No weight-only per-channel FP8 preset: FP8_DYNAMIC's weights are exactly that.
+    preset = "FP8_DYNAMIC"
+    # compressed-tensors labels weight-only FP8 "naive-quantized"; older exports say "float-quantized".
+    format_strings = ("naive-quantized", "float-quantized")
+    description = "fp8 per-channel: E4M3 per output channel"
+    # fp8 scales are plain floats: scale_dtype is not part of its contract.
+    contract = tuple(f for f in _WEIGHT_FIELDS if f != "scale_dtype")
+
+    def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
+        n, k = shape
         # Written in fp32 (what vLLM's scale parameter holds); bf16/fp16 scales also load.
         return {
             "weight": TensorSpec(torch.float8_e4m3fn, (n, k)),
             "weight_scale": TensorSpec(torch.float32, (n, 1), also=(torch.bfloat16, torch.float16)),
         }
-    g = group_size(fmt)
-    specs = {
-        "weight_packed": TensorSpec(torch.uint8, (n, k // 2)),
-        "weight_scale": TensorSpec(torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn, (n, k // g)),
-    }
-    if fmt == "nvfp4":
-        specs["weight_global_scale"] = TensorSpec(torch.float32, (1,))
-    return specs
+
+    def identify(self, dtypes: Mapping[str, str]) -> bool:
+        return "weight_packed" not in dtypes and dtypes.get("weight") == "F8_E4M3"
+
+
+class _FP4(QuantFormat):
+    """E2M1 codes packed two per byte, one scale per group of input columns."""
+
+    scale_dtype: torch.dtype
+
+    def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
+        n, k = shape
+        specs = {
+            "weight_packed": TensorSpec(torch.uint8, (n, k // 2)),
+            "weight_scale": TensorSpec(self.scale_dtype, (n, k // self.group_size)),
+        }
+        if self.has_global_scale:
+            specs["weight_global_scale"] = TensorSpec(torch.float32, (1,))
+        return specs
+
+
+@register
+class MXFP4(_FP4):
+    """E2M1 in groups of 32, E8M0 scales: weight_packed u8 [N,K/2], weight_scale u8 [N,K/32]."""
+
+    name = "mxfp4"
+    preset = "MXFP4A16"
+    format_strings = ("mxfp4-pack-quantized",)
+    description = "mxfp4: E2M1, groups of 32, E8M0 scales"
+    scale_dtype = torch.uint8
+
+    def identify(self, dtypes: Mapping[str, str]) -> bool:
+        return ("weight_packed" in dtypes and "weight_global_scale" not in dtypes
+                and dtypes.get("weight_scale") == "U8")
+
+
+@register
+class NVFP4(_FP4):
+    """E2M1 in groups of 16, E4M3 scales [N,K/16] and one f32 weight_global_scale [1] per tensor."""
+
+    name = "nvfp4"
+    preset = "NVFP4A16"
+    format_strings = ("nvfp4-pack-quantized",)
+    description = "nvfp4: E2M1, groups of 16, E4M3 scales + a global scale"
+    scale_dtype = torch.float8_e4m3fn
+    has_global_scale = True
+
+    def identify(self, dtypes: Mapping[str, str]) -> bool:
+        return "weight_packed" in dtypes and "weight_global_scale" in dtypes
+
+    def shared_global_scale(self, weights: Iterable[torch.Tensor]) -> torch.Tensor:
+        """vLLM applies one global scale to a fused layer: from the largest magnitude of all its shards.
+
+        That is llmcompressor's ``update_fused_layer_weight_global_scales`` (the minimum of the
+        shards' own global scales).
+        """
+        lo, hi = zip(*(torch.aminmax(w.detach()) for w in weights))
+        return generate_gparam(torch.stack(lo).min().float(), torch.stack(hi).max().float())
+
+
+def _scheme(fmt: str) -> QuantizationScheme:
+    return get(fmt).scheme
+
+
+def _compressor(fmt: str) -> type[BaseCompressor]:
+    return get(fmt).compressor
 
 
 def _row_chunks(rows: int, cols: int) -> Iterable[slice]:
@@ -139,20 +235,9 @@ def _row_chunks(rows: int, cols: int) -> Iterable[slice]:
 def _check_weight(weight: torch.Tensor, fmt: str) -> None:
     if weight.ndim != 2:
         raise ValueError(f"expected a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
-    g = group_size(fmt)
+    g = get(fmt).group_size
     if g is not None and weight.shape[1] % g:
         raise ValueError(f"{fmt} quantizes groups of {g} input columns, but the weight has {weight.shape[1]}")
-
-
-def nvfp4_global_scale(weights: Iterable[torch.Tensor]) -> torch.Tensor:
-    """One NVFP4 global scale for weights that vLLM fuses into one layer.
-
-    vLLM applies a single global scale to a fused layer, so its shards must share one; taking it
-    from the largest magnitude of all of them is llmcompressor's
-    ``update_fused_layer_weight_global_scales`` (the minimum of the shards' own global scales).
-    """
-    lo, hi = zip(*(torch.aminmax(w.detach()) for w in weights))
-    return generate_gparam(torch.stack(lo).min().float(), torch.stack(hi).max().float())
 
 
 def _scales(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> torch.Tensor:
@@ -165,12 +250,13 @@ def _scales(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> tor
 
 
 def _global_scale(weight: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> torch.Tensor | None:
-    """Validate ``weight`` for ``fmt`` and return the global scale it quantizes with (nvfp4 only)."""
+    """Validate ``weight`` for ``fmt`` and return the global scale it quantizes with, if its format has one."""
     _check_weight(weight, fmt)
-    if global_scale is not None and fmt != "nvfp4":
-        raise ValueError(f"only nvfp4 has a global scale, not {fmt}")
-    if fmt == "nvfp4" and global_scale is None:
-        global_scale = nvfp4_global_scale([weight])
+    if global_scale is not None and not get(fmt).has_global_scale:
+        having = " and ".join(f.name for f in REGISTRY.values() if f.has_global_scale)
+        raise ValueError(f"only {having} has a global scale, not {fmt}")
+    if global_scale is None:
+        global_scale = get(fmt).shared_global_scale([weight])
     if global_scale is not None:
         global_scale = global_scale.to(device=weight.device, dtype=torch.float32).reshape(1)
     return global_scale
@@ -180,10 +266,10 @@ def _global_scale(weight: torch.Tensor, fmt: str, global_scale: torch.Tensor | N
 def quantize_weight(
     weight: torch.Tensor, fmt: str, *, global_scale: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
-    """Quantize a [N, K] weight to ``fmt``: ``{suffix: tensor}`` as in :func:`quantized_tensor_specs`.
+    """Quantize a [N, K] weight to ``fmt``: ``{suffix: tensor}`` as in :meth:`QuantFormat.tensor_specs`.
 
     Runs on ``weight``'s device. ``global_scale`` (nvfp4 only) is the fused group's shared scale
-    from :func:`nvfp4_global_scale`; by default the weight's own.
+    from :meth:`QuantFormat.shared_global_scale`; by default the weight's own.
     """
     global_scale = _global_scale(weight, fmt, global_scale)
     scheme, compressor = _scheme(fmt), _compressor(fmt)
@@ -208,8 +294,7 @@ def fake_quantize_weight(weight: torch.Tensor, fmt: str, *, global_scale: torch.
     """float32 [N, K]: ``weight`` as ``fmt`` represents it, without building the packed tensors.
 
     compressed-tensors' ``fake_quantize`` with the scales :func:`quantize_weight` stores. In BF16 it
-    equals ``dequantize_weight(quantize_weight(weight))`` bit for bit (tested); it skips FP4 packing
-    and unpacking, which are ~80 % of that round trip's time.
+    equals ``dequantize_weight(quantize_weight(weight))`` bit for bit (tested), without FP4 packing.
     """
     global_scale = _global_scale(weight, fmt, global_scale)
     args = _scheme(fmt).weights
@@ -235,7 +320,8 @@ def weight_snr_db(weight: torch.Tensor, tensors: dict[str, torch.Tensor], fmt: s
     """10 log10(|W|^2 / |W - dequant(Q)|^2) of a quantized weight, dequantized chunk by chunk."""
     signal = noise = 0.0
     for rows in _row_chunks(*weight.shape):
-        chunk = {s: t if s == "weight_global_scale" else t[rows] for s, t in tensors.items()}
+        # Per-row tensors are 2-D; global and per-tensor scales are 1-D and serve every chunk.
+        chunk = {s: t[rows] if t.dim() == 2 else t for s, t in tensors.items()}
         ref = weight[rows].float().flatten()
         diff = ref - dequantize_weight(chunk, fmt, (rows.stop - rows.start, weight.shape[1])).flatten()
         # BLAS dot products accumulate blockwise: float32 is exact enough for a dB figure.
@@ -250,9 +336,10 @@ def weight_snr_db(weight: torch.Tensor, tensors: dict[str, torch.Tensor], fmt: s
 
 # --- quantization_config --------------------------------------------------------------------
 
+
 def validate_include_kinds(include_kinds: Sequence[str], fmt: str, config: "K3DSparkConfig") -> tuple[str, ...]:
     """The included kinds in checkpoint order; ``ValueError`` naming the fix for any bad choice."""
-    _check_format(fmt)
+    g = get(fmt).group_size
     kinds = list(dict.fromkeys(include_kinds))
     if not kinds:
         raise ValueError(f"--include_layers is empty; choose from: {' '.join(QUANTIZABLE_KINDS)}")
@@ -271,7 +358,6 @@ def validate_include_kinds(include_kinds: Sequence[str], fmt: str, config: "K3DS
             f"Quantizable layers: {' '.join(QUANTIZABLE_KINDS)}"
         )
     validate_fused_decision(set(kinds))
-    g = group_size(fmt)
     if g is not None:
         bad = [f"{k} (in_features {specs[k].shape[1]})" for k in kinds if k in specs and specs[k].shape[1] % g]
         if bad:
@@ -294,7 +380,7 @@ def quantization_config(fmt: str, include_kinds: Sequence[str], config: "K3DSpar
 
 def compressed_tensors_config(targets: Mapping[str, Sequence[str]], *, ignore: Sequence[str]) -> dict[str, Any]:
     """A ``quantization_config`` dict: one config group per format in ``targets`` ({fmt: target entries})."""
-    groups = {f"group_{i}": _scheme(fmt).model_copy(update={"targets": list(entries)})
+    groups = {f"group_{i}": get(fmt).scheme.model_copy(update={"targets": list(entries)})
               for i, (fmt, entries) in enumerate(targets.items())}
     qc = QuantizationConfig(
         config_groups=groups,
@@ -309,27 +395,24 @@ def compressed_tensors_config(targets: Mapping[str, Sequence[str]], *, ignore: S
 
 
 def _group_format(scheme: QuantizationScheme, top_format: str | None) -> str:
-    """Which of :data:`FORMATS` a config group is; ``ValueError`` if none."""
+    """Which registered format a config group is; ``ValueError`` if none."""
     if scheme.input_activations is not None or scheme.output_activations is not None:
         raise ValueError("the config group quantizes activations; only weight-only formats are supported here")
     w = scheme.weights
     if w is None:
         raise ValueError("the config group has no weight quantization")
-    fields = ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic", "scale_dtype")
-    for fmt in FORMATS:
-        ref = _scheme(fmt).weights
-        # fp8 scales are plain floats: scale_dtype is not part of its contract.
-        if all(getattr(w, f) == getattr(ref, f) for f in fields if not (fmt == "fp8" and f == "scale_dtype")):
+    for fmt in REGISTRY.values():
+        if fmt.matches(w):
             stored_as = scheme.format or top_format
-            if stored_as not in ACCEPTED_FORMAT_STRINGS[fmt]:
+            if stored_as not in fmt.format_strings:
                 raise ValueError(
-                    f"the config group is {fmt} but its format is {stored_as!r}; vLLM loads {fmt} only as "
-                    f"{' or '.join(ACCEPTED_FORMAT_STRINGS[fmt])}"
+                    f"the config group is {fmt.name} but its format is {stored_as!r}; vLLM loads {fmt.name} only as "
+                    f"{' or '.join(fmt.format_strings)}"
                 )
-            return fmt
+            return fmt.name
     raise ValueError(
-        f"unsupported weight scheme ({', '.join(f'{f}={getattr(w, f)!r}' for f in fields)}); supported: "
-        "fp8 per-channel, mxfp4 (groups of 32, E8M0 scales), nvfp4 (groups of 16, E4M3 scales)"
+        f"unsupported weight scheme ({', '.join(f'{f}={getattr(w, f)!r}' for f in _WEIGHT_FIELDS)}); supported: "
+        + "; ".join(fmt.description for fmt in REGISTRY.values())
     )
 
 
@@ -343,7 +426,7 @@ def parse_quantization_config(quantization_config: dict[str, Any]) -> Quantizati
 
 
 def group_formats(quantization_config: dict[str, Any]) -> dict[str, str]:
-    """``{config group name: fmt}``; ``ValueError`` for a group that is none of :data:`FORMATS`."""
+    """``{config group name: fmt}``; ``ValueError`` for a group that is no registered format."""
     qc = parse_quantization_config(quantization_config)
     formats = {}
     for name, scheme in qc.config_groups.items():

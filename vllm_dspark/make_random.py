@@ -1,17 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-dspark make-random``: a random K3 DSpark drafter in exactly the real on-disk layout.
 
-Writes ``OUT/config.json`` (the preset's config), ``OUT/model-0000i-of-0000n.safetensors`` and
-``OUT/model.safetensors.index.json`` (HF key names, BF16, ``embed_tokens.weight`` included, as in the
-published checkpoint), and the target's shared heads in ``OUT/target/model.safetensors``
-(``model.embed_tokens.weight``, equal to the drafter's, and ``lm_head.weight``) with
-``OUT/target/config.json``: a DeepSeek-V3 MLA config of the target geometry the drafter expects.
-
-Weights are random with realistic structure, so that quantization error means something: linears
-are ``N(0, 1/fan_in)`` with lognormal per-output-channel and per-input-channel scales and a few
-outlier input channels; norms are ``1 +- 0.05``. Every tensor has its own generator seeded from
-``(--seed, tensor name)``: the output is deterministic, and tensors are generated and written one at
-a time, so peak memory stays near the largest tensor (the 163840 x 7168 embedding for ``k3``).
+Writes ``OUT/config.json`` (the preset's config), BF16 shards with HF key names and their index
+(``embed_tokens.weight`` included, as published), and the target's shared heads and a DeepSeek-V3
+MLA config of the matching geometry in ``OUT/target/``. Linears are ``N(0, 1/fan_in)`` with
+lognormal per-channel scales and a few outlier input channels, so quantization error means
+something; norms are ``1 +- 0.05``. Each tensor has its own generator seeded from ``(--seed,
+tensor name)``, and tensors are generated and written one at a time.
 """
 
 from __future__ import annotations
@@ -27,16 +22,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_dspark.checkpoint import (
-    TARGET_EMBED_KEY,
-    TARGET_LM_HEAD_KEY,
-    SafetensorsWriter,
-    save_drafter,
-)
+from vllm_dspark.checkpoint import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY, save_drafter
 from vllm_dspark.config import K3DSparkConfig
-from vllm_dspark.layout import checkpoint_modules
+from vllm_dspark.layout import checkpoint_modules, tensor_shapes
 from vllm_dspark.presets import PRESETS, preset_config_json
 from vllm_dspark.safety import check_output, refuse_nonempty, staged
+from vllm_dspark.st_io import Entry, SafetensorsWriter, save_tensors
 from vllm_dspark.vllm_load import write_target_config
 
 __all__ = [
@@ -50,13 +41,10 @@ __all__ = [
     "random_tensor",
 ]
 
-# Rows are generated in slabs of about this many elements; the slab size is fixed so the values do
-# not depend on memory settings.
+# Rows are generated in fixed-size slabs, so the values do not depend on memory settings.
 _SLAB_ELEMENTS = 1 << 24
 
-# Output scale per module kind, relative to the default (1/sqrt(fan_in) for linears, N(0, 1) for
-# embeddings). The token embedding is small, as in trained LMs; the lm_head is sharper than a
-# unit-variance projection so that draft distributions are peaked, as real ones are.
+# Gain over the default init: a small embedding as in trained LMs, a sharp lm_head for peaked drafts.
 _GAIN = {"embed_tokens": 0.02, "lm_head": 4.0}
 _CONFIDENCE_BIAS = 1.5  # sigmoid(1.5) ~ 0.82: a plausible prior acceptance rate
 
@@ -136,25 +124,32 @@ def _write_random(out_dir: Path, preset: str, *, seed: int, progress: bool) -> N
     bar = tqdm(total=total * 2, unit="B", unit_scale=True, desc=f"make-random {preset}", disable=not progress)
 
     target_dir = out_dir / "target"
-    with SafetensorsWriter(target_dir / "model.safetensors") as target:
+    entries = _bf16_entries(config)
+    heads = [Entry.planned(key, torch.bfloat16, (config.vocab_size, config.hidden_size))
+             for key in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY)]
+    with SafetensorsWriter(target_dir / "model.safetensors", heads) as target:
 
         def drafter_tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in random_drafter_tensors(config, seed=seed):
                 if name == "embed_tokens.weight":
                     # The drafter ships the target's embedding; both files hold the same tensor.
-                    target.add(TARGET_EMBED_KEY, tensor)
+                    target.write(TARGET_EMBED_KEY, tensor)
                     bar.update(tensor.numel() * tensor.element_size())
                 bar.update(tensor.numel() * tensor.element_size())
                 yield name, tensor
 
-        save_drafter(out_dir, config_json, drafter_tensors())
+        save_drafter(out_dir, config_json, drafter_tensors(), entries=entries)
         lm_head = random_lm_head(config, seed=seed)
-        target.add(TARGET_LM_HEAD_KEY, lm_head)
+        target.write(TARGET_LM_HEAD_KEY, lm_head)
         bar.update(lm_head.numel() * lm_head.element_size())
     bar.close()
-    # A target config of the geometry the drafter expects, so that OUT/target stands in for the
-    # target wherever only its config is read (vLLM's config building, the doctor's --target).
+    # OUT/target stands in for the target wherever only its config is read (vLLM, the doctor's --target).
     write_target_config(config, target_dir)
+
+
+def _bf16_entries(config: K3DSparkConfig) -> list[Entry]:
+    """The entries of every drafter tensor, in the order :func:`random_drafter_tensors` yields them."""
+    return [Entry.planned(key, torch.bfloat16, shape) for key, shape in tensor_shapes(config).items()]
 
 
 def aux_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
@@ -221,10 +216,9 @@ def make_random_like(out_dir: str | Path, target_dir: str | Path, *, num_layers:
                                  disable=not progress)
     )
     with staged(out_dir, directory=True) as staging:
-        save_drafter(staging, config_json, tensors)
-        with SafetensorsWriter(staging / "target" / "model.safetensors") as target:
-            target.add(TARGET_EMBED_KEY, embed_tokens)
-            target.add(TARGET_LM_HEAD_KEY, lm_head)
+        save_drafter(staging, config_json, tensors, entries=_bf16_entries(config))
+        heads = {TARGET_EMBED_KEY: embed_tokens, TARGET_LM_HEAD_KEY: lm_head}
+        save_tensors(staging / "target" / "model.safetensors", heads)
         shutil.copyfile(target_dir / "config.json", staging / "target" / "config.json")
     return out_dir
 

@@ -1,25 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which checkpoint module is stored in which format: the one quantization plan every tool uses.
 
-The plan comes from the stored tensors first (safetensors headers only: each module's dtypes and
-which of ``weight``, ``weight_scale``, ``weight_packed``, ``weight_global_scale`` it has), and is
-then reconciled with ``quantization_config`` under compressed-tensors' own matching, by calling
-its ``is_match``: exact names or ``re:`` patterns, module classes (``Linear``), ignore wins. A
-config entry may name a module as the checkpoint does (``layers.0.mlp.gate_proj``), with
-``model.``, with the layer number vLLM gives it at runtime (``model.layers.93...`` for Kimi-K3), or
-by the fused layer vLLM builds from it (``gate_up_proj``, ``fused_qkv_a_proj``, ``context_kv_proj``).
-
-Three outcomes:
-
-- config and tensors agree: the plan is served;
-- the config is outside the spec (entries that match no module: bare suffixes such as
-  ``mlp.gate_proj``, shell globs, regexes anchored too early), but read as their author meant them
-  they describe the tensors: served per the tensors, with one warning naming the entries and the
-  rewrite that fixes them;
-- they conflict: :class:`QuantPlanError`, one line naming the module and the fix.
-
-The check, the doctor, the quantizer, the drift harness, the reference loader and the vLLM model
-class all ask :func:`resolve`; :func:`vllm_quantization_config` is the normalized config vLLM gets.
+The stored tensors say which formats each module can be (the registered formats recognise their
+own tensors from the headers); ``quantization_config`` is matched by compressed-tensors' own
+``is_match`` under every name a module has (checkpoint, ``model.``, vLLM's runtime layer number,
+the fused layer). Agreement is served; entries that match nothing but, read as suffixes or globs,
+describe the tensors are served with one warning naming the rewrite; a conflict is a
+:class:`QuantPlanError` naming the module and the fix. Every tool and loader asks :func:`resolve`;
+:func:`vllm_quantization_config` is the normalized config vLLM gets.
 """
 
 from __future__ import annotations
@@ -99,19 +87,22 @@ def is_stray(key: str, config: K3DSparkConfig) -> bool:
 # --- what the tensors say ---------------------------------------------------------------------
 
 
-def _stored_format(dtypes: Mapping[str, str]) -> str | None:
-    """The format a module's ``{suffix: safetensors dtype}`` is stored in; None for float, "?" if unknown."""
-    if "weight_packed" in dtypes:
-        if "weight_global_scale" in dtypes:
-            return "nvfp4"
-        return "mxfp4" if dtypes.get("weight_scale") == "U8" else "?"
-    weight = dtypes.get("weight")
-    if weight == "F8_E4M3":
-        return "fp8"
-    return None if weight in FLOAT_DTYPES else "?"
+_Stored = tuple[str, ...] | str | None  # the formats a module's tensors can be, None (float) or "?" (none)
 
 
-def _stored_plan(specs: list[ModuleSpec], dtypes: Mapping[str, str]) -> dict[str, str | None]:
+def _stored_format(dtypes: Mapping[str, str]) -> _Stored:
+    """The formats a module's ``{suffix: safetensors dtype}`` can be; None for float, "?" for none."""
+    found = tuple(fmt.name for fmt in formats.REGISTRY.values() if fmt.identify(dtypes))
+    if found:
+        return found
+    return None if "weight_packed" not in dtypes and dtypes.get("weight") in FLOAT_DTYPES else "?"
+
+
+def _shown(stored: tuple[str, ...] | None) -> str | None:
+    return None if stored is None else " or ".join(stored)
+
+
+def _stored_plan(specs: list[ModuleSpec], dtypes: Mapping[str, str]) -> dict[str, _Stored]:
     by_module: dict[str, dict[str, str]] = {}
     for key, dtype in dtypes.items():
         module, _, suffix = key.rpartition(".")
@@ -119,18 +110,18 @@ def _stored_plan(specs: list[ModuleSpec], dtypes: Mapping[str, str]) -> dict[str
     return {s.name: _stored_format(by_module.get(s.name, {})) for s in specs}
 
 
-def _check_storage(specs: list[ModuleSpec], stored: dict[str, str | None]) -> None:
+def _check_storage(specs: list[ModuleSpec], stored: dict[str, _Stored]) -> None:
     """Refuse tensors that no config could make servable: quantized non-linears, split fused layers."""
     for spec in specs:
         fmt = stored[spec.name]
         if fmt not in (None, "?") and spec.kind not in QUANTIZABLE_KINDS:
-            raise QuantPlanError(f"{spec.name} is stored as {fmt}, but {why_unquantized(spec.kind)}, so the drafter "
-                                 f"runs it unquantized. Fix: re-quantize the BF16 checkpoint with `vllm-dspark "
-                                 "quantize`, which keeps it BF16")
+            raise QuantPlanError(f"{spec.name} is stored as {_shown(fmt)}, but {why_unquantized(spec.kind)}, so the "
+                                 f"drafter runs it unquantized. Fix: re-quantize the BF16 checkpoint with "
+                                 "`vllm-dspark quantize`, which keeps it BF16")
     for fused, members in fused_module_groups(s.name for s in specs).items():
         found = {m: stored[m] for m in members if stored[m] != "?"}
         if len(set(found.values())) > 1:
-            split = ", ".join(f"{m} as {f or 'BF16'}" for m, f in found.items())
+            split = ", ".join(f"{m} as {_shown(f) or 'BF16'}" for m, f in found.items())
             stacked = fused.startswith("self_attn.")
             why = " (context_kv_proj stacks every layer's kv_a_proj_with_mqa)" if stacked else ""
             raise QuantPlanError(f"{fused}: the shards store {split}, but vLLM fuses them into one layer, which takes "
@@ -230,6 +221,7 @@ class _Config:
 
 
 def _disagreement(spec: ModuleSpec, stored: str | None, said: str | None, why: str) -> str:
+    """The conflict between ``stored`` (:func:`_shown`) and what the config ``said``, with its fix."""
     if stored is None:
         if spec.kind not in QUANTIZABLE_KINDS:
             return (f"{spec.name}: quantization_config quantizes it as {said} ({why}), but {why_unquantized(spec.kind)}"
@@ -257,33 +249,42 @@ def resolve(config: K3DSparkConfig, quantization_config: Mapping[str, Any] | Non
     if quantization_config is None:
         if quantized:
             name, fmt = next(iter(quantized.items()))
-            raise QuantPlanError(f"{name} is stored as {fmt} ({len(quantized)} quantized modules), but config.json has "
-                                 f"no quantization_config. Fix: {_FIX_SHARDS}")
+            raise QuantPlanError(f"{name} is stored as {_shown(fmt)} ({len(quantized)} quantized modules), but "
+                                 f"config.json has no quantization_config. Fix: {_FIX_SHARDS}")
         return QuantPlan({}, stray=stray)
 
     parsed = _Config.parse(quantization_config)
     start = getattr(config, "target_num_hidden_layers", None)
 
-    def disagreements(lenient: Mapping[str, str]) -> list[str]:
+    def reading(lenient: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+        """The plan as the config reads (``lenient`` entries as regexes), and its conflicts with the tensors."""
         said = parsed.plan(specs, start, lenient)
-        return [_disagreement(s, known[s.name], *said[s.name]) for s in specs
-                if s.name in known and said[s.name][0] != known[s.name]]
+        conflicts = [_disagreement(s, _shown(known[s.name]), *said[s.name]) for s in specs
+                     if s.name in known and not _agrees(known[s.name], said[s.name][0])]
+        return {name: said[name][0] for name in quantized}, conflicts
 
-    strict = disagreements({})
+    modules, strict = reading({})
     if not strict:
-        return QuantPlan(quantized, stray=stray)
+        return QuantPlan(modules, stray=stray)
     readings = {e: r for e in parsed.dead_entries(specs, start) if (r := _lenient(e)) is not None}
-    if readings and not disagreements({e: regex for e, (regex, _) in readings.items()}):
-        names = [n for s in specs for n in _names(s, start)]
-        used = {e: rewrite for e, (regex, rewrite) in readings.items() if any(re.fullmatch(regex, n) for n in names)}
-        listed = ", ".join(f"{json.dumps(e)} -> {json.dumps(rewrite)}" for e, rewrite in used.items())
-        warning = (f"quantization_config has entries that match no module under compressed-tensors' rules (exact "
-                   f"module names or 're:' regexes); read as suffixes or globs they describe the stored tensors, so "
-                   f"the drafter is served as stored. Fix: rewrite them: {listed}")
-        return QuantPlan(quantized, warning=warning, stray=stray)
+    if readings:
+        modules, conflicts = reading({e: regex for e, (regex, _) in readings.items()})
+        if not conflicts:
+            names = [n for s in specs for n in _names(s, start)]
+            used = {e: rewrite for e, (regex, rewrite) in readings.items()
+                    if any(re.fullmatch(regex, n) for n in names)}
+            listed = ", ".join(f"{json.dumps(e)} -> {json.dumps(rewrite)}" for e, rewrite in used.items())
+            warning = (f"quantization_config has entries that match no module under compressed-tensors' rules "
+                       f"(exact module names or 're:' regexes); read as suffixes or globs they describe the stored "
+                       f"tensors, so the drafter is served as stored. Fix: rewrite them: {listed}")
+            return QuantPlan(modules, warning=warning, stray=stray)
     more = f" (and {len(strict) - 1} more module(s))" if len(strict) > 1 else ""
     first, _, fix = strict[0].partition(" Fix: ")
     raise QuantPlanError(f"quantization_config and the stored tensors disagree: {first.rstrip('.')}{more}. Fix: {fix}")
+
+
+def _agrees(stored: tuple[str, ...] | None, said: str | None) -> bool:
+    return said is None if stored is None else said in stored
 
 
 def declared(config: K3DSparkConfig, quantization_config: Mapping[str, Any]) -> dict[str, str]:
@@ -295,12 +296,12 @@ def declared(config: K3DSparkConfig, quantization_config: Mapping[str, Any]) -> 
 
 def resolve_checkpoint(model_dir: str | Path) -> QuantPlan:
     """:func:`resolve` for a drafter directory: its config.json and its shard headers."""
-    from vllm_dspark.checkpoint import checked_weight_map, load_config, read_config_json, stored_dtypes
+    from vllm_dspark.checkpoint import load_config, read_config_json, stored_tensors
 
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     return resolve(config, read_config_json(model_dir).get("quantization_config"),
-                   stored_dtypes(checked_weight_map(model_dir)))
+                   {key: t.dtype for key, t in stored_tensors(model_dir).items()})
 
 
 def vllm_quantization_config(plan: QuantPlan, config: K3DSparkConfig, *, start_layer_id: int,

@@ -1,25 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-dspark quantize``: weight-only FP8 / MXFP4 / NVFP4 quantization of a drafter checkpoint.
+"""``vllm-dspark quantize``: weight-only quantization of a drafter checkpoint to any registered format.
 
 Writes the compressed-tensors format vLLM's loader reads: the included linears are replaced by
-their quantized tensors (see :mod:`vllm_dspark.formats`), every other tensor is copied
-bit-identical, and config.json gains one ``quantization_config`` whose single config group
-targets the included module kinds and ignores every other module with weights, with
-index-agnostic ``re:`` patterns (vLLM renumbers the draft layers after the target's).
-
-The checkpoint streams through tensor by tensor, so peak memory stays near the largest tensor
-(the 2.3 GB embedding for Kimi-K3), not the model; ``--workers N`` quantizes N tensors at once.
-A report (``quantization_report.json`` and ``.md``) gives per module and overall the params
-quantized, the size before and after, and the weight SNR in dB.
-
-No calibration, and SmoothQuant stays off. SmoothQuant migrates activation outliers into the
-weights (input column j of W scaled by s_j, the activation by 1/s_j) to make *activation*
-quantization easier. Here the activations are not quantized at all (weight-only, BF16 compute),
-and on the weight side per-output-channel FP8 is invariant to per-column rescaling: E4M3 is a
-floating-point format, so an element's relative rounding error does not depend on its magnitude,
-and scaling column j by s_j and undoing it returns the same error (exactly, for power-of-two s_j
-away from the ends of the range). Smoothing can only redistribute error between columns at the
-edges of the range, never remove it; the published FP8 build turned it off for the same reason.
+their quantized tensors (:mod:`vllm_dspark.formats`), every other tensor is copied bit-identical,
+and config.json gains one ``quantization_config`` with index-agnostic ``re:`` targets (vLLM
+renumbers the draft layers after the target's). Tensors stream through one at a time, so peak
+memory stays near the largest tensor; ``--workers N`` quantizes N at once. A report
+(``quantization_report.json`` and ``.md``) gives params, sizes and weight SNR per module.
+No calibration; why SmoothQuant stays off is said once, in ``--help`` (the epilog of :func:`main`).
 """
 
 from __future__ import annotations
@@ -27,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
-import struct
 import sys
 import time
 from collections import deque
@@ -40,23 +26,30 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from vllm_dspark import formats
-from vllm_dspark.check import StoredTensor, human_bytes, human_params, stored_tensors
 from vllm_dspark.checkpoint import (
-    SAFETENSORS_DTYPES,
     CONFIG_NAME,
     INDEX_NAME,
-    expected_tensor_shapes,
+    human_bytes,
+    human_params,
     load_config,
     read_config_json,
+    stored_tensors,
     validate_tensor_shapes,
 )
-from vllm_dspark.layout import FP8_RECIPE, QUANTIZABLE_KINDS, ModuleSpec, checkpoint_modules, fused_module_groups
+from vllm_dspark.layout import (
+    FP8_RECIPE,
+    QUANTIZABLE_KINDS,
+    ModuleSpec,
+    checkpoint_modules,
+    fused_module_groups,
+    tensor_shapes,
+)
 from vllm_dspark.quant_plan import QuantPlanError, resolve
 from vllm_dspark.safety import check_output, refuse_nonempty, require_finite, staged
+from vllm_dspark.st_io import Entry, SafetensorsWriter, StoredTensor, read_tensor
 
 REPORT_NAME = "quantization_report"
 TARGET_DIR = "target"
@@ -84,16 +77,6 @@ class ModuleStats:
 
 
 @dataclass(frozen=True)
-class _Entry:
-    """One output tensor as its shard header lists it."""
-
-    key: str
-    dtype: str  # safetensors dtype name
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-@dataclass(frozen=True)
 class _Item:
     """One input tensor: copied as is, or quantized as ``module`` in ``fmt``."""
 
@@ -102,13 +85,12 @@ class _Item:
     module: ModuleSpec | None = None
     fmt: str | None = None
 
-    def outputs(self) -> list[_Entry]:
+    def outputs(self) -> list[Entry]:
         if self.fmt is None:
-            return [_Entry(self.key, self.stored.dtype, self.stored.shape, self.stored.nbytes)]
+            return [self.stored.entry(self.key)]
         return [
-            _Entry(f"{self.module.name}.{suffix}", SAFETENSORS_DTYPES[spec.dtype], spec.shape,
-                   math.prod(spec.shape) * spec.dtype.itemsize)
-            for suffix, spec in formats.quantized_tensor_specs(self.fmt, self.module.shape).items()
+            Entry.planned(f"{self.module.name}.{suffix}", spec.dtype, spec.shape)
+            for suffix, spec in formats.get(self.fmt).tensor_specs(self.module.shape).items()
         ]
 
 
@@ -117,58 +99,6 @@ class _Plan:
     config_json: dict[str, Any]  # the output's config.json
     kinds: tuple[str, ...]  # the included module kinds
     shards: dict[str, list[_Item]]  # output shard name -> its tensors, as the input shards hold them
-
-
-class _PlannedShard:
-    """A safetensors file whose tensors are all known before its first byte is written.
-
-    The header goes first and every tensor's bytes stream straight to their place, so the output
-    is written exactly once (``checkpoint.SafetensorsWriter``, which learns tensors as they come,
-    spools them to a side file and copies that after the header: twice the writes).
-    """
-
-    def __init__(self, path: Path, entries: list[_Entry]) -> None:
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for e in entries:
-            header[e.key] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
-            offset += e.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the format allows space padding; aligned data reads faster
-        self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
-        self._pending = deque(entries)
-
-    def _next(self, key: str) -> _Entry:
-        entry = self._pending.popleft()
-        assert entry.key == key, f"writing {key} where the header has {entry.key}"
-        return entry
-
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        entry = self._next(key)
-        assert (SAFETENSORS_DTYPES[tensor.dtype], tuple(tensor.shape)) == (entry.dtype, entry.shape), key
-        data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-        while data:  # an unbuffered write may be partial (Linux caps one at 2 GiB)
-            data = data[self._file.write(data):]
-
-    def copy(self, key: str, source: StoredTensor) -> None:
-        """Copy a tensor's bytes from its input shard: bit-identical by construction."""
-        self._next(key)
-        offset, remaining = source.offset, source.nbytes
-        with open(source.shard, "rb", buffering=0) as src:
-            while remaining:
-                try:  # in-kernel copy, no round trip through this process's memory
-                    n = os.copy_file_range(src.fileno(), self._file.fileno(), remaining, offset)
-                except (AttributeError, OSError):  # not Linux, or a filesystem pair it does not support
-                    n = self._file.write(os.pread(src.fileno(), min(remaining, 64 << 20), offset))
-                if n == 0:
-                    raise OSError(f"{source.shard} ended inside tensor {key}")
-                offset += n
-                remaining -= n
-
-    def close(self) -> None:
-        assert not self._pending, f"{len(self._pending)} planned tensors were never written"
-        self._file.close()
 
 
 def _ordered_map(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> Iterator[_R]:
@@ -203,7 +133,7 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
                       "quantization_config and tensors). Quantize the BF16 checkpoint instead; quantizing twice "
                       "compounds the error.")
     kinds = formats.validate_include_kinds(include_layers, fmt, config)
-    validate_tensor_shapes({k: t.shape for k, t in stored.items()}, expected_tensor_shapes(config),
+    validate_tensor_shapes({k: t.shape for k, t in stored.items()}, tensor_shapes(config),
                            source=f"checkpoint {model_dir}", config=config)
     items = []
     for spec in checkpoint_modules(config):
@@ -213,38 +143,39 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
             items.append(_Item(f"{spec.name}.bias", stored[f"{spec.name}.bias"]))
     shards: dict[str, list[_Item]] = {}
     for item in items:
-        shards.setdefault(item.stored.shard.name, []).append(item)
+        shards.setdefault(item.stored.path.name, []).append(item)
     raw = dict(raw, quantization_config=formats.quantization_config(fmt, kinds, config))
     return _Plan(raw, kinds, dict(sorted(shards.items())))
 
 
 def _read(source: StoredTensor, key: str) -> torch.Tensor:
-    with safe_open(str(source.shard), framework="pt") as f:
-        tensor = f.get_tensor(key)
+    tensor = read_tensor(source.path, key)
     # A NaN or Inf weight would quantize to NaN scales: refuse it by name instead.
-    require_finite(tensor, f"source tensor {key} in {source.shard}",
+    require_finite(tensor, f"source tensor {key} in {source.path}",
                    "repair or re-export the BF16 checkpoint; quantization cannot represent NaN or Inf")
     return tensor
 
 
 def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
-    """NVFP4: one global scale per fused group (gate/up per layer, q_a/kv_a across layers)."""
-    quantized = {item.module.name: item for item in items if item.fmt == "nvfp4"}
+    """One global scale per fused group (gate/up per layer, q_a/kv_a across layers), for formats with one."""
+    quantized = {item.module.name: item for item in items if item.fmt and formats.get(item.fmt).has_global_scale}
     scales = {}
     for members in fused_module_groups(quantized).values():
+        fmt = formats.get(quantized[members[0]].fmt)
         tensors = (_read(quantized[m].stored, quantized[m].key).to(device) for m in members)
-        scales.update(dict.fromkeys(members, formats.nvfp4_global_scale(tensors)))
+        scales.update(dict.fromkeys(members, fmt.shared_global_scale(tensors)))
     return scales
 
 
 def _quantize(item: _Item, device: str, global_scales: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], ModuleStats]:
     spec = item.module
     weight = _read(item.stored, item.key).to(device)
-    parts = formats.quantize_weight(weight, item.fmt, global_scale=global_scales.get(spec.name))
+    fmt = formats.get(item.fmt)
+    parts = fmt.quantize(weight, global_scale=global_scales.get(spec.name))
     stats = ModuleStats(
         module=spec.name, kind=spec.kind, layer=spec.layer, format=item.fmt, params=weight.numel(),
         bytes_before=item.stored.nbytes, bytes_after=sum(e.nbytes for e in item.outputs()),
-        snr_db=formats.weight_snr_db(weight, parts, item.fmt),
+        snr_db=fmt.snr_db(weight, parts),
     )
     return {k: v.cpu() for k, v in parts.items()}, stats
 
@@ -322,7 +253,7 @@ def _write_quantized(plan: _Plan, staging: Path, fmt: str, device: str, workers:
     """Stream every tensor of ``plan`` through the quantizer into ``staging``; returns the report."""
     start = time.perf_counter()
     items = [item for shard_items in plan.shards.values() for item in shard_items]
-    global_scales = _global_scales(items, device) if fmt == "nvfp4" else {}
+    global_scales = _global_scales(items, device)
 
     def work(item: _Item) -> tuple[dict[str, torch.Tensor], ModuleStats] | None:
         if item.fmt is None:
@@ -337,17 +268,16 @@ def _write_quantized(plan: _Plan, staging: Path, fmt: str, device: str, workers:
               disable=None if progress else True) as bar:
         for shard_name, shard_items in plan.shards.items():
             entries = [e for item in shard_items for e in item.outputs()]
-            shard = _PlannedShard(staging / shard_name, entries)
-            for item, result in zip(shard_items, results):
-                if item.fmt is None:
-                    shard.copy(item.key, item.stored)
-                else:
-                    parts, stats = result
-                    for suffix in formats.quantized_tensor_specs(item.fmt, item.module.shape):
-                        shard.write(f"{item.module.name}.{suffix}", parts[suffix])
-                    modules.append(stats)
-                bar.update(item.stored.nbytes)
-            shard.close()
+            with SafetensorsWriter(staging / shard_name, entries) as shard:
+                for item, result in zip(shard_items, results):
+                    if item.fmt is None:
+                        shard.copy(item.key, item.stored)
+                    else:
+                        parts, stats = result
+                        for suffix in formats.get(item.fmt).tensor_specs(item.module.shape):
+                            shard.write(f"{item.module.name}.{suffix}", parts[suffix])
+                        modules.append(stats)
+                    bar.update(item.stored.nbytes)
             weight_map.update(dict.fromkeys((e.key for e in entries), shard_name))
     total = sum(e.nbytes for item in items for e in item.outputs())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -387,8 +317,7 @@ def quantize_checkpoint(
         # Workers split the cores between them instead of each fanning out over all of them.
         torch.set_num_threads(max(1, threads // workers))
         with staged(output_dir, directory=True) as staging:
-            # Held for the whole run: the stance is process-global, and quantize_weight's own
-            # eager stance could otherwise lapse in one worker thread while another leaves it.
+            # Process-global: held for the run so no worker's own stance lapses while another's is set.
             with torch.compiler.set_stance("force_eager"):
                 report = _write_quantized(plan, staging, fmt, device, workers, progress)
             _copy_other_files(model_dir, staging)
@@ -402,7 +331,7 @@ def quantize_checkpoint(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="vllm-dspark quantize",
-        description="Quantize a K3 DSpark drafter checkpoint to FP8 / MXFP4 / NVFP4 weight-only, in the "
+        description="Quantize a K3 DSpark drafter checkpoint to a weight-only format, in the "
         "compressed-tensors format vLLM loads. Non-included tensors are copied bit-identical; a report "
         f"({REPORT_NAME}.json/.md) gives params quantized, sizes and weight SNR.",
         epilog="No calibration; SmoothQuant is off on purpose: it eases activation quantization, and here "
@@ -412,9 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model_dir", required=True, type=Path, help="the BF16 drafter checkpoint directory")
     parser.add_argument("--output_dir", required=True, type=Path, help="where to write the quantized checkpoint")
-    parser.add_argument("--quant_format", required=True, choices=formats.FORMATS,
-                        help="fp8: E4M3 per output channel; mxfp4: E2M1, groups of 32, E8M0 scales; "
-                        "nvfp4: E2M1, groups of 16, E4M3 scales + a global scale")
+    parser.add_argument("--quant_format", required=True, choices=formats.names(),
+                        help="; ".join(fmt.description for fmt in formats.REGISTRY.values()))
     parser.add_argument("--include_layers", nargs="+", default=list(FP8_RECIPE), metavar="KIND",
                         help=f"module kinds to quantize, index-agnostic (default, the published FP8 build: "
                         f"{' '.join(FP8_RECIPE)}); quantizable: {' '.join(QUANTIZABLE_KINDS)}")

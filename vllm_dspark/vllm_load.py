@@ -123,13 +123,13 @@ def load_with_vllm(draft_dir: str | Path, *, target_dir: str | Path | None = Non
     from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
 
-    from vllm_dspark.checkpoint import checked_weight_map, load_config
+    from vllm_dspark.checkpoint import load_config, stored_tensors
     from vllm_dspark.cpu_runtime import ensure_single_process_runtime
 
     vllm_dspark.register()
     draft_dir = Path(draft_dir)
     config = load_config(draft_dir)
-    checked_weight_map(draft_dir)  # a missing or truncated shard is one ValueError naming it, not a loader traceback
+    stored_tensors(draft_dir)  # a missing or truncated shard is one ValueError naming it, not a loader traceback
     with tempfile.TemporaryDirectory(prefix="vllm-dspark-target-") as stand_in:
         if target_dir is None:
             target_dir = write_target_config(config, stand_in)

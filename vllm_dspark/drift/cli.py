@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 
 import vllm_dspark.drift as drift_pkg
+from vllm_dspark import formats
+from vllm_dspark.drift.harness import default_variants
 from vllm_dspark.layout import FP8_RECIPE
 from vllm_dspark.safety import check_output, staged
 
@@ -37,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", required=True, help="the unquantized drafter directory (the reference)")
-    parser.add_argument("--variants", nargs="+", default=["bf16", "fp8", "mxfp4", "nvfp4"],
-                        help="bf16, fp8, mxfp4, nvfp4 (quantized on the fly), fp32 (self-check), or checkpoint "
-                        "directories (default: bf16 fp8 mxfp4 nvfp4)")
+    parser.add_argument("--variants", nargs="+", default=list(default_variants()),
+                        help=f"bf16, {', '.join(formats.names())} (quantized on the fly), fp32 (self-check), or "
+                        f"checkpoint directories (default: {' '.join(default_variants())})")
     parser.add_argument("--regimes", nargs="+", default=["gauss", "heavy", "boot"],
                         choices=["gauss", "heavy", "boot"], help="aux hidden-state regimes (default: all three)")
     parser.add_argument("--blocks", type=int, default=1024, help="blocks per regime and position (default 1024)")

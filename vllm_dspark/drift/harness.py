@@ -1,24 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Runs the drift evaluation: the FP32 reference once, then each variant, one loaded at a time.
 
-Cost model (what makes the ``k3`` preset fit 24 GiB and two cores):
-
-- the backbone is one parallel pass per block; teacher-forced and free-running scoring differ only
-  in the Markov bias, so each variant runs its backbone once per block and rolls the Markov head
-  twice over the same base logits;
-- the reference runs once per block. Its free-running rollout conditions each position on its own
-  previous token, so its logits *are* the teacher-forced logits every variant is compared with:
-  they are kept (``N x V`` fp32 per block, ~4.6 MB at the real vocabulary) in a memory-mapped file
-  per cell under a temporary directory (``$TMPDIR``), not in RAM and not recomputed per variant
-  (recomputing them through the FP32 lm_head cost half of a BF16 variant's time);
-- the reference stays loaded with its checkpoint's BF16 storage (upcast per use, exact) beside one
-  variant at a time, and the target's embedding / lm_head tensors are shared by all of them;
-- blocks are batched; ``gauss`` / ``heavy`` inputs are regenerated per block from the seed
-  (cheaper than storing them), ``boot`` inputs are computed once and kept in BF16.
-
-The reference runs MLA in its naive form; BF16 variants run the absorbed form (``W_UK`` folded
-into the query, ``W_UV`` applied after attending over latents), as the served MLA kernels do.
-The two agree in exact arithmetic.
+Each variant runs its backbone once per block and rolls the Markov head twice over the same base
+logits (teacher-forced and free-running differ only in the Markov bias). The reference's rollout
+logits are the teacher-forced logits every variant is compared with, so they are kept per cell in
+a memory-mapped file under ``$TMPDIR``, not recomputed per variant. The reference keeps its BF16
+storage (upcast per use, exact) and shares the target's heads with every variant. The reference
+runs MLA naively, BF16 variants in the absorbed form the served kernels use (equal in exact math).
 """
 
 from __future__ import annotations
@@ -50,7 +38,16 @@ from vllm_dspark.sampling import markov_rollout
 from vllm_dspark.version import __version__
 
 SELF_CHECK = "fp32"  # a second, independently loaded reference: agreement 1, KL 0
-BUILTIN_VARIANTS = (SELF_CHECK, "bf16", *formats.FORMATS)
+
+
+def default_variants() -> tuple[str, ...]:
+    """``bf16`` and every registered format, quantized on the fly."""
+    return ("bf16", *formats.names())
+
+
+def builtin_variants() -> tuple[str, ...]:
+    """The variant names that are not checkpoint directories."""
+    return (SELF_CHECK, *default_variants())
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,7 @@ class EvalSpec:
     """Everything a drift run depends on (recorded verbatim in results.json)."""
 
     model: str
-    variants: tuple[str, ...] = ("bf16", "fp8", "mxfp4", "nvfp4")
+    variants: tuple[str, ...] = field(default_factory=default_variants)
     regimes: tuple[str, ...] = REGIMES
     blocks: int = 1024
     batch_size: int = 32
@@ -170,25 +167,26 @@ def quantize_on_the_fly(state_dict: dict[str, torch.Tensor], config: K3DSparkCon
                         include: Sequence[str]) -> list[str]:
     """Replace, in place, each included linear's weight by its ``fmt`` round trip; returns the modules.
 
-    Fused groups (gate/up per layer; q_a/kv_a across layers) share one NVFP4 global scale, as vLLM
+    Fused groups (gate/up per layer; q_a/kv_a across layers) share one global scale (NVFP4), as vLLM
     requires and the quantizer writes.
     """
     kinds = formats.validate_include_kinds(include, fmt, config)
+    quant = formats.get(fmt)
     modules = [s.name for s in checkpoint_modules(config) if s.kind in kinds]
     global_scales: dict[str, torch.Tensor] = {}
-    if fmt == "nvfp4":
+    if quant.has_global_scale:
         for members in fused_module_groups(modules).values():
-            scale = formats.nvfp4_global_scale(state_dict[f"{m}.weight"] for m in members)
+            scale = quant.shared_global_scale(state_dict[f"{m}.weight"] for m in members)
             global_scales.update(dict.fromkeys(members, scale))
     for name in modules:
         key = f"{name}.weight"
         weight = state_dict[key]
-        state_dict[key] = formats.fake_quantize_weight(weight, fmt, global_scale=global_scales.get(name)).to(weight.dtype)
+        state_dict[key] = quant.fake_quantize(weight, global_scale=global_scales.get(name)).to(weight.dtype)
     return modules
 
 
 def variant_label(name: str) -> str:
-    return name if name in BUILTIN_VARIANTS else Path(name).name
+    return name if name in builtin_variants() else Path(name).name
 
 
 def check_same_model(name: str, state_dict: dict[str, torch.Tensor], quantized: Container[str],
@@ -210,7 +208,7 @@ def check_same_model(name: str, state_dict: dict[str, torch.Tensor], quantized: 
 def load_variant(name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads,
                  reference: ReferenceDrafter) -> tuple[ReferenceDrafter, str]:
     """A BF16-computed variant and a description of where its weights came from."""
-    if name in formats.FORMATS or name == "bf16":
+    if name in default_variants():
         _, state_dict = load_drafter_state_dict(spec.model, dtype=torch.bfloat16)
         state_dict.pop("embed_tokens.weight", None)
         source = f"{spec.model} in BF16"
@@ -227,7 +225,7 @@ def load_variant(name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads
         stored = sorted(set(plan.modules.values()))
         source = f"checkpoint {name} ({'quantized: ' + ', '.join(stored) if stored else 'unquantized'}), in BF16"
     else:
-        raise ValueError(f"unknown variant {name!r}: use one of {', '.join(BUILTIN_VARIANTS)} "
+        raise ValueError(f"unknown variant {name!r}: use one of {', '.join(builtin_variants())} "
                          "or a checkpoint directory")
     drafter = ReferenceDrafter.from_state_dict(config, state_dict, embed_tokens=heads.embed, lm_head=heads.lm_head,
                                                compute_dtype=torch.bfloat16, device=spec.device)
@@ -340,9 +338,9 @@ def validate(spec: EvalSpec, config: K3DSparkConfig) -> None:
     if spec.blocks < 2 or spec.batch_size < 1 or spec.context_len < 1:
         raise ValueError("--blocks must be >= 2 (a bootstrap needs blocks to resample), --batch-size and "
                          "--context-len >= 1")
-    unknown = [v for v in spec.variants if v not in BUILTIN_VARIANTS and not Path(v).is_dir()]
+    unknown = [v for v in spec.variants if v not in builtin_variants() and not Path(v).is_dir()]
     if unknown:
-        raise ValueError(f"unknown variant(s) {', '.join(map(repr, unknown))}: use {', '.join(BUILTIN_VARIANTS)} "
+        raise ValueError(f"unknown variant(s) {', '.join(map(repr, unknown))}: use {', '.join(builtin_variants())} "
                          "or checkpoint directories")
     labels = [variant_label(v) for v in spec.variants]
     if len(set(labels)) != len(labels):

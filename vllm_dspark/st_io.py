@@ -1,0 +1,230 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Safetensors files: one header reader, one tensor reader and one header-first writer.
+
+A file is an 8-byte little-endian header length, a JSON header ``{key: {dtype, shape,
+data_offsets}}`` and the data, each tensor's ``[begin, end)`` counted from the end of the header.
+The writer is given every tensor's :class:`Entry` before its first byte, so the header goes first
+and each tensor streams to its place once; the file is built beside its target and renamed into
+place only when complete (:func:`vllm_dspark.safety.staged`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections import deque
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from vllm_dspark.safety import staged
+
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "Entry",
+    "SafetensorsWriter",
+    "StoredTensor",
+    "TensorReader",
+    "read_header",
+    "read_tensor",
+    "save_tensors",
+]
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor as a header lists it."""
+
+    key: str
+    dtype: str  # safetensors dtype name: BF16, F8_E4M3, U8, ...
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @classmethod
+    def planned(cls, key: str, dtype: torch.dtype, shape: Sequence[int]) -> Entry:
+        """The entry of a tensor not computed yet."""
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {key!r}: dtype {dtype} cannot be stored in safetensors.")
+        return cls(key, SAFETENSORS_DTYPES[dtype], tuple(shape), math.prod(shape) * dtype.itemsize)
+
+    @classmethod
+    def of(cls, key: str, tensor: torch.Tensor) -> Entry:
+        return cls.planned(key, tensor.dtype, tensor.shape)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor of a file lies, from the file's header."""
+
+    path: Path
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+    offset: int  # where its bytes start in the file
+    nbytes: int
+
+    def entry(self, key: str) -> Entry:
+        return Entry(key, self.dtype, self.shape, self.nbytes)
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
+        raise ValueError(f"{path} is not a readable safetensors file ({e}). Fix: re-copy or re-export it.") from None
+
+
+def read_header(path: str | Path) -> dict[str, StoredTensor]:
+    """``{key: StoredTensor}`` of a file in header order; ``ValueError`` naming a truncated or corrupt one."""
+    path = Path(path)
+    with _open(path):  # safetensors validates the header and that the data fills the file exactly
+        pass
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return {
+        key: StoredTensor(path, e["dtype"], tuple(e["shape"]), 8 + length + e["data_offsets"][0],
+                          e["data_offsets"][1] - e["data_offsets"][0])
+        for key, e in header.items()
+    }
+
+
+class TensorReader:
+    """Reads tensors by key, keeping each file open (memory-mapped) until :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
+        self._files: dict[Path, object] = {}
+
+    def read(self, path: str | Path, key: str) -> torch.Tensor:
+        path = Path(path)
+        if path not in self._files:
+            self._files[path] = self._stack.enter_context(_open(path))
+        return self._files[path].get_tensor(key)
+
+    def close(self) -> None:
+        self._stack.close()
+        self._files.clear()
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_tensor(path: str | Path, key: str) -> torch.Tensor:
+    """One tensor of one file."""
+    with TensorReader() as reader:
+        return reader.read(path, key)
+
+
+def _write_all(file, data: memoryview) -> None:
+    while data:  # an unbuffered write may be partial (Linux caps one at 2 GiB)
+        data = data[file.write(data):]
+
+
+class SafetensorsWriter:
+    """Writes one file whose tensors are all planned up front: the header first, then each tensor in order.
+
+    The file is built beside ``path`` and renamed into place by :meth:`close`; :meth:`abort`, or an
+    exception inside ``with``, removes it.
+    """
+
+    def __init__(self, path: str | Path, entries: Sequence[Entry]) -> None:
+        self.path = Path(path)
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for e in entries:
+            header[e.key] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+            offset += e.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format allows space padding; aligned data reads faster
+        self._staging = staged(self.path, directory=False)
+        staging = self._staging.__enter__()
+        self._file = open(staging, "wb", buffering=0)  # noqa: SIM115 - closed in close() / abort()
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._pending = deque(entries)
+        self._written: set[str] = set()
+
+    def _next(self, key: str) -> Entry:
+        if not self._pending or self._pending[0].key != key:
+            if key in self._written:
+                raise ValueError(f"tensor {key!r} written twice to {self.path}.")
+            planned = self._pending[0].key if self._pending else "nothing more"
+            raise ValueError(f"tensor {key!r} written to {self.path} where its header plans {planned}.")
+        self._written.add(key)
+        return self._pending.popleft()
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        entry = self._next(key)
+        got = (SAFETENSORS_DTYPES.get(tensor.dtype), tuple(tensor.shape))
+        if got != (entry.dtype, entry.shape):
+            raise ValueError(f"tensor {key!r} is {got}, but {self.path}'s header plans {(entry.dtype, entry.shape)}.")
+        _write_all(self._file, memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+    def copy(self, key: str, source: StoredTensor) -> None:
+        """Copy a tensor's bytes from another file: bit-identical by construction."""
+        self._next(key)
+        offset, remaining = source.offset, source.nbytes
+        with open(source.path, "rb", buffering=0) as src:
+            while remaining:
+                try:  # in-kernel copy, no round trip through this process's memory
+                    n = os.copy_file_range(src.fileno(), self._file.fileno(), remaining, offset)
+                except (AttributeError, OSError):  # not Linux, or a filesystem pair it does not support
+                    chunk = os.pread(src.fileno(), min(remaining, 64 << 20), offset)
+                    _write_all(self._file, memoryview(chunk))
+                    n = len(chunk)
+                if n == 0:
+                    raise OSError(f"{source.path} ended inside tensor {key}")
+                offset += n
+                remaining -= n
+
+    def close(self) -> None:
+        if self._pending:
+            self.abort()
+            raise ValueError(f"{self.path}: {len(self._pending)} planned tensors were never written.")
+        self._file.close()
+        self._staging.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        self._file.close()
+        error = RuntimeError(f"{self.path}: write aborted")
+        self._staging.__exit__(RuntimeError, error, None)  # staged removes the partial file
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def save_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write in-memory ``tensors`` to one file."""
+    with SafetensorsWriter(path, [Entry.of(k, t) for k, t in tensors.items()]) as writer:
+        for key, tensor in tensors.items():
+            writer.write(key, tensor)
