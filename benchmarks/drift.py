@@ -28,26 +28,36 @@ from typing import Any
 from benchmarks.common import RESULTS_DIR, environment, format_table, write_result
 from vllm_dspark.drift.cli import parse_position
 from vllm_dspark.drift.harness import EvalSpec, default_variants, run
-from vllm_dspark.drift.report import (COLUMNS, ceiling_summary, fmt, position_table, worst_half_width_pp,
-                                      write_report)
+from vllm_dspark.drift.report import (
+    COLUMNS,
+    ceiling_summary,
+    fmt,
+    position_table,
+    worst_half_width_pp,
+    write_report,
+)
 
 
 def _model(path: Path | None, preset: str) -> Path:
     """The drafter to evaluate: ``path``, or the preset's shared random drafter (written if missing)."""
-    from vllm_dspark.checkpoint import read_config_json
-    from vllm_dspark.presets import preset_config_json
+    from vllm_dspark.checkpoint.presets import preset_config_json
+    from vllm_dspark.checkpoint.store import read_config_json
 
     path = path or Path("/tmp/k3" if preset == "k3" else f"/tmp/vllm-dspark-{preset}")
     if not (path / "config.json").exists():
-        from vllm_dspark.make_random import make_random
+        from vllm_dspark.checkpoint.make_random import make_random
 
-        print(f"{path} does not exist: writing a random {preset} drafter there (make-random --seed 0)")
+        print(
+            f"{path} does not exist: writing a random {preset} drafter there (make-random --seed 0)"
+        )
         return make_random(path, preset, seed=0)
     found, wanted = read_config_json(path), preset_config_json(preset)
     sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
     if any(found.get(k) != wanted[k] for k in sizes):
-        raise SystemExit(f"{path} is not a {preset} drafter ({', '.join(f'{k}={found.get(k)}' for k in sizes)}); "
-                         "pass --model for a drafter of that preset, or the --preset it was made with")
+        raise SystemExit(
+            f"{path} is not a {preset} drafter ({', '.join(f'{k}={found.get(k)}' for k in sizes)}); "
+            "pass --model for a drafter of that preset, or the --preset it was made with"
+        )
     return path
 
 
@@ -60,7 +70,16 @@ def _display(path: Path) -> str:
 
 
 def _config_summary(results: dict[str, Any]) -> dict[str, Any]:
-    keys = ("variants", "regimes", "blocks", "batch_size", "context_len", "positions", "seed", "recipe")
+    keys = (
+        "variants",
+        "regimes",
+        "blocks",
+        "batch_size",
+        "context_len",
+        "positions",
+        "seed",
+        "recipe",
+    )
     return {k: results["config"][k] for k in keys}
 
 
@@ -71,21 +90,46 @@ def speed_table(results: dict[str, Any]) -> str:
     ref_rate = blocks / timing["reference_s"]
     rows = []
     if "boot" in cfg["regimes"]:
-        rows.append({"pass": "boot aux states (BF16, causal)", "load_s": 0.0, "seconds": timing["inputs_s"],
-                     "blocks": cfg["blocks"], "blocks_per_s": cfg["blocks"] / timing["inputs_s"]})
-    rows.append({"pass": "reference (FP32)", "load_s": timing["load_reference_s"], "seconds": timing["reference_s"],
-                 "blocks": blocks, "blocks_per_s": ref_rate})
+        rows.append(
+            {
+                "pass": "boot aux states (BF16, causal)",
+                "load_s": 0.0,
+                "seconds": timing["inputs_s"],
+                "blocks": cfg["blocks"],
+                "blocks_per_s": cfg["blocks"] / timing["inputs_s"],
+            }
+        )
+    rows.append(
+        {
+            "pass": "reference (FP32)",
+            "load_s": timing["load_reference_s"],
+            "seconds": timing["reference_s"],
+            "blocks": blocks,
+            "blocks_per_s": ref_rate,
+        }
+    )
     for v in cfg["variants"]:
         seconds = timing[f"eval_{v}_s"]
-        rows.append({"pass": f"{v} (BF16 compute)", "load_s": timing[f"load_{v}_s"], "seconds": seconds,
-                     "blocks": blocks, "blocks_per_s": blocks / seconds})
+        rows.append(
+            {
+                "pass": f"{v} (BF16 compute)",
+                "load_s": timing[f"load_{v}_s"],
+                "seconds": seconds,
+                "blocks": blocks,
+                "blocks_per_s": blocks / seconds,
+            }
+        )
     for row in rows:
         row["vs_reference"] = row["blocks_per_s"] / ref_rate
     total = {"pass": "whole run (inputs, loads, every pass)", "seconds": timing["total_s"]}
-    table = format_table([*rows, total], ["pass", "load_s", "seconds", "blocks", "blocks_per_s", "vs_reference"])
-    return (f"`{cfg['preset']}` preset, {cfg['blocks']} blocks per regime ({', '.join(cfg['regimes'])}) in batches "
-            f"of {cfg['batch_size']}, context {cfg['context_len']} tokens; `load_s` includes quantizing on the fly."
-            f"\n\n{table}")
+    table = format_table(
+        [*rows, total], ["pass", "load_s", "seconds", "blocks", "blocks_per_s", "vs_reference"]
+    )
+    return (
+        f"`{cfg['preset']}` preset, {cfg['blocks']} blocks per regime ({', '.join(cfg['regimes'])}) in batches "
+        f"of {cfg['batch_size']}, context {cfg['context_len']} tokens; `load_s` includes quantizing on the fly."
+        f"\n\n{table}"
+    )
 
 
 def headline(results: dict[str, Any], report_dir: str) -> str:
@@ -103,74 +147,152 @@ def headline(results: dict[str, Any], report_dir: str) -> str:
         "worst_CI_greedy_pp": worst_half_width_pp(results, ["greedy_agreement"]),
         "worst_CI_rollout_pp": worst_half_width_pp(results, ["rollout_agreement"]),
     }
-    lines = [format_table([row], list(row)), "",
-             "Drift-limited acceptance ceiling τ (bonus token included, max "
-             f"{cfg['block_size'] + 1}) — random weights at the real shapes, not the published checkpoint:",
-             "", ceiling_summary(results)]
+    lines = [
+        format_table([row], list(row)),
+        "",
+        "Drift-limited acceptance ceiling τ (bonus token included, max "
+        f"{cfg['block_size'] + 1}) — random weights at the real shapes, not the published checkpoint:",
+        "",
+        ceiling_summary(results),
+    ]
     if "heavy" in cfg["regimes"]:
         base = cfg["positions"][0]
         rows = []
         for v in cfg["variants"]:
-            (cell,) = [c for c in results["cells"] if (c["variant"], c["regime"], c["position"]) == (v, "heavy", base)]
-            rows.append("| " + " | ".join([v] + [fmt(cell["metrics"][k], kind) for k, _, kind in COLUMNS]) + " |")
-        lines += ["", "Full metric set, heavy regime:", "",
-                  "| variant | " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 1),
-                  *rows]
+            (cell,) = [
+                c
+                for c in results["cells"]
+                if (c["variant"], c["regime"], c["position"]) == (v, "heavy", base)
+            ]
+            rows.append(
+                "| "
+                + " | ".join([v] + [fmt(cell["metrics"][k], kind) for k, _, kind in COLUMNS])
+                + " |"
+            )
+        lines += [
+            "",
+            "Full metric set, heavy regime:",
+            "",
+            "| variant | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+            "|" + "---|" * (len(COLUMNS) + 1),
+            *rows,
+        ]
     if len(cfg["positions"]) > 1:
         for regime in cfg["regimes"]:
-            lines += ["", f"Position sweep, {regime} regime: ceiling τ and greedy agreement % by anchor position "
-                      "(short context at offset position ids):", "", position_table(results, regime), "",
-                      position_table(results, regime, "greedy_agreement")]
+            lines += [
+                "",
+                f"Position sweep, {regime} regime: ceiling τ and greedy agreement % by anchor position "
+                "(short context at offset position ids):",
+                "",
+                position_table(results, regime),
+                "",
+                position_table(results, regime, "greedy_agreement"),
+            ]
     lines += ["", f"Plots and every figure with its CI: `{report_dir}/`."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.drift", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="k3", choices=["tiny", "small", "k3"],
-                        help="the drafter's preset (default k3, the published shapes)")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="drafter directory with target/ (default /tmp/k3 for k3, /tmp/vllm-dspark-PRESET "
-                        "otherwise; a random one is written there if missing)")
-    parser.add_argument("--blocks", type=int, default=640,
-                        help="blocks per regime (default 640: worst 95 %% CI half-width under 2 pp at k3)")
-    parser.add_argument("--batch-size", type=int, default=64,
-                        help="blocks per pass (default 64: the FP32 reference's GEMMs run ~2x faster than at 16)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.drift",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--preset",
+        default="k3",
+        choices=["tiny", "small", "k3"],
+        help="the drafter's preset (default k3, the published shapes)",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="drafter directory with target/ (default /tmp/k3 for k3, /tmp/vllm-dspark-PRESET "
+        "otherwise; a random one is written there if missing)",
+    )
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        default=640,
+        help="blocks per regime (default 640: worst 95 %% CI half-width under 2 pp at k3)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="blocks per pass (default 64: the FP32 reference's GEMMs run ~2x faster than at 16)",
+    )
     parser.add_argument("--context-len", type=int, default=32)
     parser.add_argument("--regimes", nargs="+", default=["gauss", "heavy", "boot"])
     parser.add_argument("--variants", nargs="+", default=list(default_variants()))
-    parser.add_argument("--positions", nargs="*", type=parse_position, default=(),
-                        help="anchor positions to sweep as well (multiplies the run time)")
+    parser.add_argument(
+        "--positions",
+        nargs="*",
+        type=parse_position,
+        default=(),
+        help="anchor positions to sweep as well (multiplies the run time)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--name", default="drift",
-                        help="result name: benchmarks/results/NAME.{json,md} and, by default, the report in "
-                        "benchmarks/results/NAME/ (default drift, the table the README shows)")
-    parser.add_argument("--out", type=Path, default=None, help="report directory (default benchmarks/results/NAME)")
-    parser.add_argument("--speed", action="store_true",
-                        help="write only the per-pass throughput table (NAME.{json,md}), not the quality report")
+    parser.add_argument(
+        "--name",
+        default="drift",
+        help="result name: benchmarks/results/NAME.{json,md} and, by default, the report in "
+        "benchmarks/results/NAME/ (default drift, the table the README shows)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="report directory (default benchmarks/results/NAME)"
+    )
+    parser.add_argument(
+        "--speed",
+        action="store_true",
+        help="write only the per-pass throughput table (NAME.{json,md}), not the quality report",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
     out = args.out or RESULTS_DIR / args.name
     model = _model(args.model, args.preset)
-    spec = EvalSpec(model=str(model), variants=tuple(args.variants), regimes=tuple(args.regimes), blocks=args.blocks,
-                    batch_size=args.batch_size, context_len=args.context_len, positions=tuple(args.positions),
-                    seed=args.seed, progress=not args.no_progress)
+    spec = EvalSpec(
+        model=str(model),
+        variants=tuple(args.variants),
+        regimes=tuple(args.regimes),
+        blocks=args.blocks,
+        batch_size=args.batch_size,
+        context_len=args.context_len,
+        positions=tuple(args.positions),
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
     start = time.perf_counter()
     results = run(spec)
     results["timing"]["total_s"] = time.perf_counter() - start
     results["config"]["preset"] = args.preset
     results["environment"] = environment()
     if args.speed:
-        write_result(args.name, {"preset": args.preset, "model": str(model), "timing": results["timing"],
-                                 "config": _config_summary(results)}, speed_table(results))
+        write_result(
+            args.name,
+            {
+                "preset": args.preset,
+                "model": str(model),
+                "timing": results["timing"],
+                "config": _config_summary(results),
+            },
+            speed_table(results),
+        )
         return 0
     files = write_report(results, out)
-    payload = {"preset": args.preset, "model": str(model), "report": _display(out), "timing": results["timing"],
-               "config": _config_summary(results),
-               "ceiling": {f"{c['variant']}/{c['regime']}/{c['position']}": c["metrics"]["ceiling"]
-                           for c in results["cells"]}}
+    payload = {
+        "preset": args.preset,
+        "model": str(model),
+        "report": _display(out),
+        "timing": results["timing"],
+        "config": _config_summary(results),
+        "ceiling": {
+            f"{c['variant']}/{c['regime']}/{c['position']}": c["metrics"]["ceiling"]
+            for c in results["cells"]
+        },
+    }
     write_result(args.name, payload, headline(results, _display(out)))
     print("\n".join(f"wrote {f}" for f in files))
     return 0

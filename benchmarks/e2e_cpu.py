@@ -22,8 +22,16 @@ from pathlib import Path
 from benchmarks.common import format_table, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
-COLUMNS = ["engine", "drafts", "draft tokens", "accepted", "accepted per position", "output tokens",
-           "generate s", "output tok/s"]
+COLUMNS = [
+    "engine",
+    "drafts",
+    "draft tokens",
+    "accepted",
+    "accepted per position",
+    "output tokens",
+    "generate s",
+    "output tok/s",
+]
 
 
 def rows(results: dict) -> list[dict]:
@@ -33,25 +41,41 @@ def rows(results: dict) -> list[dict]:
         run = results[engine]
         counters = run.get("counters", {})
         tokens = sum(len(o["tokens"]) for o in run["outputs"])
-        table.append({
-            "engine": {"baseline": "no speculation", "probabilistic": "bf16, probabilistic + block"}.get(engine, engine),
-            "drafts": counters.get("vllm:spec_decode_num_drafts", "-"),
-            "draft tokens": counters.get("vllm:spec_decode_num_draft_tokens", "-"),
-            "accepted": counters.get("vllm:spec_decode_num_accepted_tokens", "-"),
-            "accepted per position": " ".join(str(int(v)) for v in counters.get(
-                "vllm:spec_decode_num_accepted_tokens_per_pos", [])) or "-",
-            "output tokens": tokens,
-            "generate s": run["generate_seconds"],
-            "output tok/s": tokens / run["generate_seconds"],
-        })
+        table.append(
+            {
+                "engine": {
+                    "baseline": "no speculation",
+                    "probabilistic": "bf16, probabilistic + block",
+                }.get(engine, engine),
+                "drafts": counters.get("vllm:spec_decode_num_drafts", "-"),
+                "draft tokens": counters.get("vllm:spec_decode_num_draft_tokens", "-"),
+                "accepted": counters.get("vllm:spec_decode_num_accepted_tokens", "-"),
+                "accepted per position": " ".join(
+                    str(int(v))
+                    for v in counters.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])
+                )
+                or "-",
+                "output tokens": tokens,
+                "generate s": run["generate_seconds"],
+                "output tok/s": tokens / run["generate_seconds"],
+            }
+        )
     return table
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks e2e-cpu", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--from", dest="source", type=Path, metavar="DIR",
-                        help="tabulate an existing `tests/dspark_e2e.py --out DIR` run instead of running one")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks e2e-cpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        metavar="DIR",
+        help="tabulate an existing `tests/dspark_e2e.py --out DIR` run instead of running one",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         source = args.source
@@ -60,10 +84,29 @@ def main(argv: list[str] | None = None) -> int:
 
             build_models(Path(tmp))
             source = Path(tmp) / "out"
-            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                   "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-            subprocess.run([sys.executable, "-m", "tests.dspark_e2e", "--platform", "cpu", "--models", tmp,
-                            "--out", str(source)], cwd=ROOT, env=env, check=True)
+            env = {
+                **os.environ,
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "HF_HUB_OFFLINE": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            }
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.dspark_e2e",
+                    "--platform",
+                    "cpu",
+                    "--models",
+                    tmp,
+                    "--out",
+                    str(source),
+                ],
+                cwd=ROOT,
+                env=env,
+                check=True,
+            )
         results = json.loads((source / "results.json").read_text())
     table = rows(results)
     settings = {k: results[k] for k in ("platform", "block", "prompts", "max_tokens")}

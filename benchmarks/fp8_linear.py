@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import best_time, format_table, memcpy_bandwidth, write_result
-from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules
-from vllm_dspark.presets import preset_config, preset_config_json
+from vllm_dspark.checkpoint.layout import FP8_RECIPE, checkpoint_modules
+from vllm_dspark.checkpoint.presets import preset_config, preset_config_json
 
 
 def _shapes(preset: str) -> dict[str, tuple[int, int]]:
@@ -55,7 +55,9 @@ def _bf16_drafter_config(preset: str) -> Iterator[None]:
     vllm_dspark.register()
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(preset_config_json(preset)))
-        model_config = ModelConfig(model=tmp, dtype="bfloat16", skip_tokenizer_init=True, runner="draft")
+        model_config = ModelConfig(
+            model=tmp, dtype="bfloat16", skip_tokenizer_init=True, runner="draft"
+        )
         with set_current_vllm_config(VllmConfig(model_config=model_config)):
             ensure_single_process_runtime()
             yield
@@ -64,21 +66,32 @@ def _bf16_drafter_config(preset: str) -> Iterator[None]:
 def _plugin_layer(w_fp8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.nn.Module, object]:
     """A layer built, loaded and finalised by vLLM's W8A16 FP8 scheme, as the model does."""
     from compressed_tensors.quantization import QuantizationArgs
-    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A16Fp8
-    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsW8A16Fp8,
+    )
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     from vllm_dspark import cpu_w8a16
 
     cpu_w8a16.install()
     n, k = w_fp8.shape
-    args = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False)
+    args = QuantizationArgs(
+        num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False
+    )
     # vLLM builds and loads a model under its dtype as torch's default; the scheme reads it.
     with set_default_torch_dtype(torch.bfloat16):
         scheme = CompressedTensorsW8A16Fp8(weight_quant=args, is_static_input_scheme=False)
         layer = torch.nn.Module()
-        scheme.create_weights(layer, input_size_per_partition=k, output_partition_sizes=[n], input_size=k,
-                              output_size=n, params_dtype=torch.bfloat16, weight_loader=default_weight_loader)
+        scheme.create_weights(
+            layer,
+            input_size_per_partition=k,
+            output_partition_sizes=[n],
+            input_size=k,
+            output_size=n,
+            params_dtype=torch.bfloat16,
+            weight_loader=default_weight_loader,
+        )
         layer.weight.data.copy_(w_fp8)
         layer.weight_scale.data.copy_(scale)
         scheme.process_weights_after_loading(layer)
@@ -97,7 +110,7 @@ def _bf16_layer(weight: torch.Tensor) -> torch.nn.Module:
 def run(preset: str = "k3", repeats: int = 5, tokens: tuple[int, ...] = (1, 7)) -> dict:
     from vllm.model_executor.layers.utils import cpu_unquantized_gemm
 
-    from vllm_dspark.formats import dequantize_weight, quantize_weight
+    from vllm_dspark.checkpoint.formats import dequantize_weight, quantize_weight
 
     torch.manual_seed(0)
     bandwidth = memcpy_bandwidth()
@@ -117,7 +130,8 @@ def run(preset: str = "k3", repeats: int = 5, tokens: tuple[int, ...] = (1, 7)) 
                 "bf16": lambda: cpu_unquantized_gemm(bf16, x, bf16.weight, None),
                 "dequant-bf16": lambda: torch.nn.functional.linear(x, dequantised),
                 "dequant-per-call": lambda: torch.nn.functional.linear(
-                    x, (w_fp8.to(torch.float32) * scale.to(torch.float32)).to(torch.bfloat16)),
+                    x, (w_fp8.to(torch.float32) * scale.to(torch.float32)).to(torch.bfloat16)
+                ),
             }
             with torch.inference_mode():
                 ref = paths["dequant-bf16"]().float()
@@ -125,24 +139,39 @@ def run(preset: str = "k3", repeats: int = 5, tokens: tuple[int, ...] = (1, 7)) 
                 times = {name: best_time(fn, repeats=repeats) for name, fn in paths.items()}
             base = times["bf16"]
             for name, seconds in times.items():
-                rows.append({
-                    "module": kind, "shape": f"{n}x{k}", "tokens": t, "path": name,
-                    "ms": 1e3 * seconds, "vs bf16": seconds / base,
-                    "GB/s": weight_bytes / seconds / 1e9, "memcpy GB/s": bandwidth,
-                    "plugin rel. error vs dequant-bf16": float(err),
-                })
+                rows.append(
+                    {
+                        "module": kind,
+                        "shape": f"{n}x{k}",
+                        "tokens": t,
+                        "path": name,
+                        "ms": 1e3 * seconds,
+                        "vs bf16": seconds / base,
+                        "GB/s": weight_bytes / seconds / 1e9,
+                        "memcpy GB/s": bandwidth,
+                        "plugin rel. error vs dequant-bf16": float(err),
+                    }
+                )
     return {"preset": preset, "repeats": repeats, "memcpy_gbps": bandwidth, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks fp8-linear", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="k3", help="layer shapes of this preset (default: the real k3)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks fp8-linear",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--preset", default="k3", help="layer shapes of this preset (default: the real k3)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     with _bf16_drafter_config(args.preset):
         result = run(args.preset, args.repeats)
-    table = format_table(result["rows"], ["module", "shape", "tokens", "path", "ms", "vs bf16", "GB/s", "memcpy GB/s"])
+    table = format_table(
+        result["rows"],
+        ["module", "shape", "tokens", "path", "ms", "vs bf16", "GB/s", "memcpy GB/s"],
+    )
     write_result("fp8_linear", result, table)
     return 0
 

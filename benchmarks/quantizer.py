@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import format_table, write_result
-from vllm_dspark import formats
-from vllm_dspark.checkpoint import human_bytes, human_params
-from vllm_dspark.presets import PRESETS
+from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint.presets import PRESETS
+from vllm_dspark.checkpoint.store import human_bytes, human_params
 
 
 def _copy(model_dir: Path, out_dir: Path) -> None:
@@ -49,15 +49,19 @@ def _copy(model_dir: Path, out_dir: Path) -> None:
 
 
 def _quantize(model_dir: Path, out_dir: Path, fmt: str, workers: int) -> None:
-    from vllm_dspark.quantize import quantize_checkpoint
+    from vllm_dspark.checkpoint.quantize import quantize_checkpoint
 
     quantize_checkpoint(model_dir, out_dir, fmt, workers=workers, progress=False)
 
 
 def _step(name: str, *args: str) -> dict[str, float]:
     """Run one step in a fresh interpreter; its wall seconds (imports excluded) and peak RSS."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.quantizer", "--step", name, *args],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.quantizer", "--step", name, *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -87,13 +91,19 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def run(preset: str = "k3", fmt: str = "fp8", workers: int = 1, *, model_dir: str | Path | None = None,
-        work_dir: str | Path | None = None) -> dict[str, Any]:
+def run(
+    preset: str = "k3",
+    fmt: str = "fp8",
+    workers: int = 1,
+    *,
+    model_dir: str | Path | None = None,
+    work_dir: str | Path | None = None,
+) -> dict[str, Any]:
     """Measure copy and quantize on ``model_dir`` (default: a fresh make-random ``preset`` checkpoint)."""
-    from vllm_dspark.check import check_checkpoint
-    from vllm_dspark.checkpoint import load_config, stored_tensors
-    from vllm_dspark.layout import checkpoint_modules
-    from vllm_dspark.make_random import make_random
+    from vllm_dspark.checkpoint.check import check_checkpoint
+    from vllm_dspark.checkpoint.layout import checkpoint_modules
+    from vllm_dspark.checkpoint.make_random import make_random
+    from vllm_dspark.checkpoint.store import load_config, stored_tensors
 
     with tempfile.TemporaryDirectory(prefix="bench-quantizer-", dir=work_dir) as tmp:
         tmp = Path(tmp)
@@ -120,30 +130,45 @@ def run(preset: str = "k3", fmt: str = "fp8", workers: int = 1, *, model_dir: st
         "quantize": quantize,
         "quantize_vs_copy_seconds": quantize["seconds"] / copy["seconds"],
         "quantization": report["overall"],
-        "check": {"ok": check.ok, "problems": check.problems, "config_groups": check.config_groups,
-                  "quantized_modules": len(check.quantized_modules), "ignored_modules": modules - len(check.quantized_modules)},
+        "check": {
+            "ok": check.ok,
+            "problems": check.problems,
+            "config_groups": check.config_groups,
+            "quantized_modules": len(check.quantized_modules),
+            "ignored_modules": modules - len(check.quantized_modules),
+        },
     }
 
 
 def table(result: dict[str, Any]) -> str:
     rows = [
-        {"step": "safetensors copy (load_file + save_file)", "seconds": result["copy"]["seconds"],
-         "input GB/s": result["copy"]["input_gb_per_s"], "peak RSS GiB": result["copy"]["peak_rss_bytes"] / 2**30,
-         "time vs copy": 1.0},
-        {"step": f"vllm-dspark quantize {result['format']} (--workers {result['workers']})",
-         "seconds": result["quantize"]["seconds"], "input GB/s": result["quantize"]["input_gb_per_s"],
-         "peak RSS GiB": result["quantize"]["peak_rss_bytes"] / 2**30, "time vs copy": result["quantize_vs_copy_seconds"]},
+        {
+            "step": "safetensors copy (load_file + save_file)",
+            "seconds": result["copy"]["seconds"],
+            "input GB/s": result["copy"]["input_gb_per_s"],
+            "peak RSS GiB": result["copy"]["peak_rss_bytes"] / 2**30,
+            "time vs copy": 1.0,
+        },
+        {
+            "step": f"vllm-dspark quantize {result['format']} (--workers {result['workers']})",
+            "seconds": result["quantize"]["seconds"],
+            "input GB/s": result["quantize"]["input_gb_per_s"],
+            "peak RSS GiB": result["quantize"]["peak_rss_bytes"] / 2**30,
+            "time vs copy": result["quantize_vs_copy_seconds"],
+        },
     ]
     q, c = result["quantization"], result["check"]
-    return "\n".join([
-        format_table(rows, ["step", "seconds", "input GB/s", "peak RSS GiB", "time vs copy"]),
-        "",
-        f"`{result['preset']}` preset: {human_params(q['params_quantized'])} of {human_params(q['params_total'])} params "
-        f"quantized, {human_bytes(q['bytes_before'])} -> {human_bytes(q['bytes_after'])}, weight SNR mean "
-        f"{q['snr_db_mean']:.1f} dB (min {q['snr_db_min']:.1f}); largest tensor {human_bytes(result['largest_tensor_bytes'])}; "
-        f"check: {'OK' if c['ok'] else 'PROBLEMS'}, {c['config_groups']} config group, "
-        f"{c['quantized_modules']} quantized and {c['ignored_modules']} ignored modules.",
-    ])
+    return "\n".join(
+        [
+            format_table(rows, ["step", "seconds", "input GB/s", "peak RSS GiB", "time vs copy"]),
+            "",
+            f"`{result['preset']}` preset: {human_params(q['params_quantized'])} of {human_params(q['params_total'])} params "
+            f"quantized, {human_bytes(q['bytes_before'])} -> {human_bytes(q['bytes_after'])}, weight SNR mean "
+            f"{q['snr_db_mean']:.1f} dB (min {q['snr_db_min']:.1f}); largest tensor {human_bytes(result['largest_tensor_bytes'])}; "
+            f"check: {'OK' if c['ok'] else 'PROBLEMS'}, {c['config_groups']} config group, "
+            f"{c['quantized_modules']} quantized and {c['ignored_modules']} ignored modules.",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,16 +176,30 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--step"]:  # one measured step, in its own process (see _step)
         _run_step(argv[1:])
         return 0
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.quantizer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.quantizer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--preset", choices=list(PRESETS), default="k3")
     parser.add_argument("--format", choices=formats.names(), default="fp8")
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--model", type=Path, default=None,
-                        help="an existing BF16 checkpoint of --preset (default: make-random writes one)")
-    parser.add_argument("--work-dir", type=Path, default=None, help="scratch directory (default: the system temp dir)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="an existing BF16 checkpoint of --preset (default: make-random writes one)",
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="scratch directory (default: the system temp dir)",
+    )
     args = parser.parse_args(argv)
-    result = run(args.preset, args.format, args.workers, model_dir=args.model, work_dir=args.work_dir)
+    result = run(
+        args.preset, args.format, args.workers, model_dir=args.model, work_dir=args.work_dir
+    )
     write_result("quantizer", result, table(result))
     return 0
 

@@ -34,34 +34,64 @@ def goals(results_dir: Path = RESULTS_DIR) -> list[dict[str, str]]:
     rows = []
 
     def goal(text: str, measured: str, met: bool, command: str) -> None:
-        rows.append({"goal": text, "measured": measured, "met": "yes" if met else "**no**",
-                     "command": f"`python -m benchmarks {command}`"})
+        rows.append(
+            {
+                "goal": text,
+                "measured": measured,
+                "met": "yes" if met else "**no**",
+                "command": f"`python -m benchmarks {command}`",
+            }
+        )
 
     if quantizer := _load(results_dir, "quantizer"):
         ratio = quantizer["quantize_vs_copy_seconds"]
-        goal(f"quantizer ({quantizer['preset']}) within 2× of a plain safetensors copy", f"{ratio:.2f}×", ratio <= 2,
-             "quantizer")
+        goal(
+            f"quantizer ({quantizer['preset']}) within 2× of a plain safetensors copy",
+            f"{ratio:.2f}×",
+            ratio <= 2,
+            "quantizer",
+        )
     if reference := _load(results_dir, "reference_latency"):
         for r in reference["results"]:
             ratio = 1 / r["fraction_of_memcpy"]
-            goal(f"reference block ({reference['preset']}, {r['compute'].upper()} compute) within 2× of streaming "
-                 "its weights once at memcpy bandwidth", f"{ratio:.2f}×", ratio <= 2, "reference")
+            goal(
+                f"reference block ({reference['preset']}, {r['compute'].upper()} compute) within 2× of streaming "
+                "its weights once at memcpy bandwidth",
+                f"{ratio:.2f}×",
+                ratio <= 2,
+                "reference",
+            )
     if register := _load(results_dir, "register_overhead"):
         ms = register["median"]["plugin_total_ms"]
-        goal("plugin import + register() under 50 ms per vLLM process", f"{ms:.1f} ms", ms < 50, "register")
+        goal(
+            "plugin import + register() under 50 ms per vLLM process",
+            f"{ms:.1f} ms",
+            ms < 50,
+            "register",
+        )
     if suite := _load(results_dir, "suite"):
         minutes = suite["total_s"] / 60
         goal("the speed suite under 30 minutes in all", f"{minutes:.1f} min", minutes < 30, "all")
     if drift := _load(results_dir, "drift"):
         minutes = drift["timing"]["total_s"] / 60
-        goal(f"drift report ({drift['preset']}, {len(drift['config']['regimes'])} regimes, "
-             f"{len(drift['config']['variants'])} variants) under an "
-             "hour on CPU", f"{minutes:.1f} min", minutes < 60, "drift")
+        goal(
+            f"drift report ({drift['preset']}, {len(drift['config']['regimes'])} regimes, "
+            f"{len(drift['config']['variants'])} variants) under an "
+            "hour on CPU",
+            f"{minutes:.1f} min",
+            minutes < 60,
+            "drift",
+        )
         report = results_dir / "drift" / "results.json"
         if report.exists():
             worst = worst_half_width_pp(json.loads(report.read_text()))
-            goal(f"drift report: every percentage metric's 95 % CI within ±2 pp ({drift['config']['blocks']} blocks "
-                 "per regime)", f"±{worst:.2f} pp", worst < 2, "drift")
+            goal(
+                f"drift report: every percentage metric's 95 % CI within ±2 pp ({drift['config']['blocks']} blocks "
+                "per regime)",
+                f"±{worst:.2f} pp",
+                worst < 2,
+                "drift",
+            )
     return rows
 
 
@@ -70,9 +100,18 @@ def _section(heading: str, command: str, results_dir: Path, result: str) -> list
     if not table.exists():
         return []
     env = (_load(results_dir, result) or {}).get("environment", {})
-    where = (f"{env.get('date', '?')}, {env.get('processor') or env.get('machine', '?')}, "
-             f"torch {env.get('torch', '?')}, {env.get('threads', '?')} threads")
-    return [f"#### {heading}", "", f"`{command}` — measured {where}.", "", table.read_text().strip(), ""]
+    where = (
+        f"{env.get('date', '?')}, {env.get('processor') or env.get('machine', '?')}, "
+        f"torch {env.get('torch', '?')}, {env.get('threads', '?')} threads"
+    )
+    return [
+        f"#### {heading}",
+        "",
+        f"`{command}` — measured {where}.",
+        "",
+        table.read_text().strip(),
+        "",
+    ]
 
 
 def render(results_dir: Path = RESULTS_DIR) -> str:
@@ -81,7 +120,9 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
         parts += ["#### Goals", "", format_table(rows, ["goal", "measured", "met", "command"]), ""]
     for name, bench in BENCHMARKS.items():
         parts += _section(bench.heading, f"python -m benchmarks {name}", results_dir, bench.result)
-    parts += _section("The speed suite's wall time", "python -m benchmarks all", results_dir, "suite")
+    parts += _section(
+        "The speed suite's wall time", "python -m benchmarks all", results_dir, "suite"
+    )
     parts.append(END)
     return "\n".join(parts)
 
@@ -98,12 +139,17 @@ def update(readme: Path = README, results_dir: Path = RESULTS_DIR) -> tuple[str,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks readme", description=__doc__)
-    parser.add_argument("--check", action="store_true", help="fail if the README's section is stale")
+    parser.add_argument(
+        "--check", action="store_true", help="fail if the README's section is stale"
+    )
     args = parser.parse_args(argv)
     old, new = update()
     if args.check:
         if old != new:
-            print("README.md's benchmark section is stale: run `python -m benchmarks readme`", file=sys.stderr)
+            print(
+                "README.md's benchmark section is stale: run `python -m benchmarks readme`",
+                file=sys.stderr,
+            )
             return 1
         return 0
     README.write_text(new)

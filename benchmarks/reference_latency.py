@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from benchmarks.common import best_time, format_table, memcpy_bandwidth, write_result
+from vllm_dspark.checkpoint.presets import PRESETS, preset_config
 from vllm_dspark.config import K3DSparkConfig
-from vllm_dspark.draft import example_inputs
-from vllm_dspark.presets import PRESETS, preset_config
-from vllm_dspark.reference import ReferenceDrafter
+from vllm_dspark.reference.drafter import ReferenceDrafter
+from vllm_dspark.tools.draft import example_inputs
 
 
 def weight_bytes_per_block(drafter: ReferenceDrafter) -> dict[str, int]:
@@ -43,12 +43,22 @@ def weight_bytes_per_block(drafter: ReferenceDrafter) -> dict[str, int]:
 
     layers = sum(size(p) for p in drafter.layers.parameters())
     # The context path reads every layer's kv_a_proj_with_mqa once more (vLLM's context_kv_proj).
-    context = size(drafter.context_proj.weight) + size(drafter.context_norm.weight) + sum(
-        size(layer.self_attn.kv_a_proj_with_mqa.weight) + size(layer.self_attn.kv_a_layernorm.weight)
-        for layer in drafter.layers)
+    context = (
+        size(drafter.context_proj.weight)
+        + size(drafter.context_norm.weight)
+        + sum(
+            size(layer.self_attn.kv_a_proj_with_mqa.weight)
+            + size(layer.self_attn.kv_a_layernorm.weight)
+            for layer in drafter.layers
+        )
+    )
     w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight
     heads = size(drafter.lm_head.weight) + size(drafter.final_norm.weight)
-    heads += sum(size(p) for p in drafter.confidence_head.parameters()) if drafter.confidence_head is not None else 0
+    heads += (
+        sum(size(p) for p in drafter.confidence_head.parameters())
+        if drafter.confidence_head is not None
+        else 0
+    )
     return {
         "layers": layers,
         "context": context,
@@ -58,26 +68,37 @@ def weight_bytes_per_block(drafter: ReferenceDrafter) -> dict[str, int]:
     }
 
 
-def _drafters(config: K3DSparkConfig, model_dir: Path | None, seed: int) -> dict[str, ReferenceDrafter]:
+def _drafters(
+    config: K3DSparkConfig, model_dir: Path | None, seed: int
+) -> dict[str, ReferenceDrafter]:
     """FP32- and BF16-compute drafters sharing one set of BF16 weights."""
     if model_dir is not None:
-        from vllm_dspark.checkpoint import load_drafter_state_dict, load_target_heads
+        from vllm_dspark.checkpoint.store import load_drafter_state_dict, load_target_heads
 
         config, tensors = load_drafter_state_dict(model_dir, dtype=torch.bfloat16)
         embed, lm_head = load_target_heads(model_dir / "target", dtype=torch.bfloat16)
     else:
-        from vllm_dspark.make_random import random_drafter_tensors, random_lm_head
+        from vllm_dspark.checkpoint.make_random import random_drafter_tensors, random_lm_head
 
         tensors = dict(random_drafter_tensors(config, seed=seed))
         embed, lm_head = tensors["embed_tokens.weight"], random_lm_head(config, seed=seed)
     tensors.pop("embed_tokens.weight", None)
-    return {name: ReferenceDrafter.from_state_dict(config, tensors, embed_tokens=embed, lm_head=lm_head,
-                                                   compute_dtype=dtype)
-            for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    return {
+        name: ReferenceDrafter.from_state_dict(
+            config, tensors, embed_tokens=embed, lm_head=lm_head, compute_dtype=dtype
+        )
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    }
 
 
-def run(preset: str, repeats: int, *, model_dir: str | Path | None = None, context_len: int = 8,
-        seed: int = 0) -> dict[str, Any]:
+def run(
+    preset: str,
+    repeats: int,
+    *,
+    model_dir: str | Path | None = None,
+    context_len: int = 8,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Time one block at ``preset`` (weights from ``model_dir`` if given, else random) in FP32 and BF16."""
     config = preset_config(preset)
     drafters = _drafters(config, Path(model_dir) if model_dir is not None else None, seed)
@@ -87,11 +108,23 @@ def run(preset: str, repeats: int, *, model_dir: str | Path | None = None, conte
     memcpy_gbps = memcpy_bandwidth()
     results = []
     for name, drafter in drafters.items():
-        seconds = best_time(lambda d=drafter: d.draft(inputs["aux_hidden_states"], inputs["context_positions"],
-                                                      inputs["anchor_ids"]), repeats=repeats, warmup=1)
+        seconds = best_time(
+            lambda d=drafter: d.draft(
+                inputs["aux_hidden_states"], inputs["context_positions"], inputs["anchor_ids"]
+            ),
+            repeats=repeats,
+            warmup=1,
+        )
         gbps = weight_bytes / seconds / 1e9
-        results.append({"compute": name, "seconds": seconds, "ms_per_token": seconds * 1e3 / config.block_size,
-                        "weight_GBps": gbps, "fraction_of_memcpy": gbps / memcpy_gbps})
+        results.append(
+            {
+                "compute": name,
+                "seconds": seconds,
+                "ms_per_token": seconds * 1e3 / config.block_size,
+                "weight_GBps": gbps,
+                "fraction_of_memcpy": gbps / memcpy_gbps,
+            }
+        )
     return {
         "preset": preset,
         "block_size": config.block_size,
@@ -108,21 +141,50 @@ def run(preset: str, repeats: int, *, model_dir: str | Path | None = None, conte
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.reference_latency", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.reference_latency",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--preset", choices=list(PRESETS), default="k3")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--context-len", type=int, default=8,
-                        help="context tokens projected with the block (default 8: one decode step's verified tokens)")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="a drafter directory (e.g. from make-random, with target/) "
-                             "instead of fresh random weights")
+    parser.add_argument(
+        "--context-len",
+        type=int,
+        default=8,
+        help="context tokens projected with the block (default 8: one decode step's verified tokens)",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a drafter directory (e.g. from make-random, with target/) "
+        "instead of fresh random weights",
+    )
     args = parser.parse_args(argv)
     payload = run(args.preset, args.repeats, model_dir=args.model, context_len=args.context_len)
-    rows = [{"preset": payload["preset"], "weights_GB": payload["weight_bytes_per_block"] / 1e9,
-             "memcpy_GBps": payload["memcpy_GBps"], **r} for r in payload["results"]]
-    table = format_table(rows, ["preset", "compute", "seconds", "ms_per_token", "weights_GB", "weight_GBps",
-                                "memcpy_GBps", "fraction_of_memcpy"])
+    rows = [
+        {
+            "preset": payload["preset"],
+            "weights_GB": payload["weight_bytes_per_block"] / 1e9,
+            "memcpy_GBps": payload["memcpy_GBps"],
+            **r,
+        }
+        for r in payload["results"]
+    ]
+    table = format_table(
+        rows,
+        [
+            "preset",
+            "compute",
+            "seconds",
+            "ms_per_token",
+            "weights_GB",
+            "weight_GBps",
+            "memcpy_GBps",
+            "fraction_of_memcpy",
+        ],
+    )
     write_result("reference_latency", payload, table)
     return 0
 

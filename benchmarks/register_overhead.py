@@ -36,20 +36,29 @@ print(json.dumps({"vllm_import_s": t1 - t0, "plugin_import_s": t2 - t1, "registe
 def run(samples: int = 5) -> dict:
     rows = []
     for _ in range(samples):
-        out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     summary = {k: median([r[k] for r in rows]) for k in rows[0]}
     summary["plugin_total_ms"] = 1e3 * (summary["plugin_import_s"] + summary["register_s"])
-    summary["ratio_to_vllm_import"] = (summary["plugin_import_s"] + summary["register_s"]) / summary["vllm_import_s"]
+    summary["ratio_to_vllm_import"] = (
+        summary["plugin_import_s"] + summary["register_s"]
+    ) / summary["vllm_import_s"]
     summary["goal_ms"] = 50.0
     summary["meets_goal"] = summary["plugin_total_ms"] < summary["goal_ms"]
     return {"samples": rows, "median": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks register", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=5, help="fresh interpreters to time (median reported)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks register",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--samples", type=int, default=5, help="fresh interpreters to time (median reported)"
+    )
     args = parser.parse_args(argv)
     result = run(args.samples)
     m = result["median"]

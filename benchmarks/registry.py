@@ -13,41 +13,81 @@ class Benchmark:
     help: str
     result: str  # benchmarks/results/<result>.{json,md}
     heading: str  # the README's heading for the result
-    args: tuple[str, ...] = ()  # what makes the committed run; arguments given on the command line follow
+    args: tuple[
+        str, ...
+    ] = ()  # what makes the committed run; arguments given on the command line follow
     in_all: bool = True
 
 
-DRIFT_POSITIONS = ("--name", "drift_positions", "--regimes", "heavy", "--variants", "bf16", "fp8",
-                   "--positions", "4k", "32k", "128k", "1000k", "--blocks", "512")
+DRIFT_POSITIONS = (
+    "--name",
+    "drift_positions",
+    "--regimes",
+    "heavy",
+    "--variants",
+    "bf16",
+    "fp8",
+    "--positions",
+    "4k",
+    "32k",
+    "128k",
+    "1000k",
+    "--blocks",
+    "512",
+)
 
 BENCHMARKS: dict[str, Benchmark] = {
     "reference": Benchmark(
-        "benchmarks.reference_latency", "reference drafter: one 7-token block, FP32 and BF16, GB/s vs memcpy",
-        "reference_latency", "Reference drafter, one 7-token block at real shapes (`k3` preset)"),
+        "benchmarks.reference_latency",
+        "reference drafter: one 7-token block, FP32 and BF16, GB/s vs memcpy",
+        "reference_latency",
+        "Reference drafter, one 7-token block at real shapes (`k3` preset)",
+    ),
     "fp8-linear": Benchmark(
-        "benchmarks.fp8_linear", "FP8 weight-only linear on CPU: plugin kernel vs dequantised BF16 vs BF16",
-        "fp8_linear", "FP8 weight-only linear on CPU at the real layer shapes"),
+        "benchmarks.fp8_linear",
+        "FP8 weight-only linear on CPU: plugin kernel vs dequantised BF16 vs BF16",
+        "fp8_linear",
+        "FP8 weight-only linear on CPU at the real layer shapes",
+    ),
     "quantizer": Benchmark(
-        "benchmarks.quantizer", "quantizer throughput and peak RSS vs a plain safetensors copy",
-        "quantizer", "Quantizer throughput and peak memory (`k3` preset)"),
+        "benchmarks.quantizer",
+        "quantizer throughput and peak RSS vs a plain safetensors copy",
+        "quantizer",
+        "Quantizer throughput and peak memory (`k3` preset)",
+    ),
     "drift-speed": Benchmark(
-        "benchmarks.drift", "drift-harness blocks per second at real shapes, per pass (64 blocks per regime)",
-        "drift_speed", "Drift harness throughput at real shapes (`k3` preset)",
-        args=("--name", "drift_speed", "--blocks", "64", "--speed")),
+        "benchmarks.drift",
+        "drift-harness blocks per second at real shapes, per pass (64 blocks per regime)",
+        "drift_speed",
+        "Drift harness throughput at real shapes (`k3` preset)",
+        args=("--name", "drift_speed", "--blocks", "64", "--speed"),
+    ),
     "register": Benchmark(
-        "benchmarks.register_overhead", "plugin import + register() cost per vLLM process",
-        "register_overhead", "Plugin cost per vLLM process"),
+        "benchmarks.register_overhead",
+        "plugin import + register() cost per vLLM process",
+        "register_overhead",
+        "Plugin cost per vLLM process",
+    ),
     "e2e-cpu": Benchmark(
-        "benchmarks.e2e_cpu", "vLLM's dspark speculator end to end on CPU (Triton interpreter): counters, tok/s",
-        "e2e_cpu", "vLLM's `dspark` speculator end to end on CPU (tiny random models, Triton interpreter)",
-        in_all=False),
+        "benchmarks.e2e_cpu",
+        "vLLM's dspark speculator end to end on CPU (Triton interpreter): counters, tok/s",
+        "e2e_cpu",
+        "vLLM's `dspark` speculator end to end on CPU (tiny random models, Triton interpreter)",
+        in_all=False,
+    ),
     "drift": Benchmark(
-        "benchmarks.drift", "drift report at real shapes: table with CIs under 2 pp, plots (~55 min)",
-        "drift", "Drift of each format from the FP32 reference at real shapes (`k3` preset, random weights)",
-        in_all=False),
+        "benchmarks.drift",
+        "drift report at real shapes: table with CIs under 2 pp, plots (~55 min)",
+        "drift",
+        "Drift of each format from the FP32 reference at real shapes (`k3` preset, random weights)",
+        in_all=False,
+    ),
     "drift-positions": Benchmark(
-        "benchmarks.drift", "drift through the YaRN range: anchors at 4k .. 1000k, heavy regime (~40 min)",
+        "benchmarks.drift",
+        "drift through the YaRN range: anchors at 4k .. 1000k, heavy regime (~40 min)",
         "drift_positions",
         "Drift through the YaRN range: the block at far context positions (`k3`, random weights)",
-        args=DRIFT_POSITIONS, in_all=False),
+        args=DRIFT_POSITIONS,
+        in_all=False,
+    ),
 }

@@ -61,7 +61,10 @@ class SpecCounters:
             self.drafts - other.drafts,
             self.draft_tokens - other.draft_tokens,
             self.accepted - other.accepted,
-            {p: self.accepted_per_pos.get(p, 0.0) - other.accepted_per_pos.get(p, 0.0) for p in sorted(positions)},
+            {
+                p: self.accepted_per_pos.get(p, 0.0) - other.accepted_per_pos.get(p, 0.0)
+                for p in sorted(positions)
+            },
         )
 
 
@@ -112,9 +115,14 @@ def acceptance_summary(delta: SpecCounters) -> dict[str, Any]:
         "num_draft_tokens": delta.draft_tokens,
         "num_accepted_tokens": delta.accepted,
         "mean_acceptance_length": 1.0 + delta.accepted / drafts if drafts else None,
-        "draft_acceptance_rate": delta.accepted / delta.draft_tokens if delta.draft_tokens else None,
-        "per_position_acceptance_rate": [delta.accepted_per_pos[p] / drafts for p in sorted(delta.accepted_per_pos)]
-        if drafts else [],
+        "draft_acceptance_rate": delta.accepted / delta.draft_tokens
+        if delta.draft_tokens
+        else None,
+        "per_position_acceptance_rate": [
+            delta.accepted_per_pos[p] / drafts for p in sorted(delta.accepted_per_pos)
+        ]
+        if drafts
+        else [],
     }
 
 
@@ -167,9 +175,13 @@ class Client:
                 return self._complete_stream(payload, t0)
             with self._open("/v1/completions", payload) as resp:
                 usage = json.loads(resp.read())["usage"]
-            return RequestResult(True, time.perf_counter() - t0, usage["prompt_tokens"], usage["completion_tokens"])
+            return RequestResult(
+                True, time.perf_counter() - t0, usage["prompt_tokens"], usage["completion_tokens"]
+            )
         except urllib.error.HTTPError as e:  # the body says why (e.g. max_tokens over the context)
-            return RequestResult(False, time.perf_counter() - t0, error=f"HTTP {e.code}: {e.read()[:300].decode()}")
+            return RequestResult(
+                False, time.perf_counter() - t0, error=f"HTTP {e.code}: {e.read()[:300].decode()}"
+            )
         except (OSError, KeyError, ValueError) as e:  # URLError and timeouts are OSErrors
             return RequestResult(False, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
 
@@ -180,14 +192,18 @@ class Client:
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[len("data:"):])
+                chunk = json.loads(line[len("data:") :])
                 if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
                     ttft = time.perf_counter() - t0
                 usage = chunk.get("usage") or usage
         latency = time.perf_counter() - t0
         if usage is None:
-            return RequestResult(False, latency, ttft_s=ttft, error="the stream carried no usage chunk")
-        return RequestResult(True, latency, usage["prompt_tokens"], usage["completion_tokens"], ttft)
+            return RequestResult(
+                False, latency, ttft_s=ttft, error="the stream carried no usage chunk"
+            )
+        return RequestResult(
+            True, latency, usage["prompt_tokens"], usage["completion_tokens"], ttft
+        )
 
 
 def load_prompts(path: Path, num_prompts: int | None) -> list[str]:
@@ -215,9 +231,15 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     before = parse_spec_counters(client.get_text(metrics_path), model)
     if before is None:
-        raise SystemExit(f"{args.base_url}{metrics_path} has no {DRAFTS} counter: is the server running with "
-                         "--speculative-config, and without --disable-log-stats?")
-    payload: dict[str, Any] = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature}
+        raise SystemExit(
+            f"{args.base_url}{metrics_path} has no {DRAFTS} counter: is the server running with "
+            "--speculative-config, and without --disable-log-stats?"
+        )
+    payload: dict[str, Any] = {
+        "model": model,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+    }
     if args.top_p is not None:
         payload["top_p"] = args.top_p
     if args.ignore_eos:
@@ -232,15 +254,33 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     after = parse_spec_counters(client.get_text(metrics_path), model)
     assert after is not None  # the counters existed a moment ago
 
-    return summarize(results, wall, after - before, model=model, settings={
-        "base_url": args.base_url, "prompts": args.prompts, "num_prompts": len(prompts),
-        "concurrency": args.concurrency, "temperature": args.temperature, "top_p": args.top_p,
-        "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "stream": args.stream,
-    })
+    return summarize(
+        results,
+        wall,
+        after - before,
+        model=model,
+        settings={
+            "base_url": args.base_url,
+            "prompts": args.prompts,
+            "num_prompts": len(prompts),
+            "concurrency": args.concurrency,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "max_tokens": args.max_tokens,
+            "ignore_eos": args.ignore_eos,
+            "stream": args.stream,
+        },
+    )
 
 
-def summarize(results: Sequence[RequestResult], wall_s: float, delta: SpecCounters, *, model: str,
-              settings: Mapping[str, Any]) -> dict[str, Any]:
+def summarize(
+    results: Sequence[RequestResult],
+    wall_s: float,
+    delta: SpecCounters,
+    *,
+    model: str,
+    settings: Mapping[str, Any],
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.completion_tokens for r in ok)
     latencies = [r.latency_s for r in ok]
@@ -248,15 +288,18 @@ def summarize(results: Sequence[RequestResult], wall_s: float, delta: SpecCounte
     return {
         "model": model,
         "settings": dict(settings),
-        "requests": {"completed": len(ok), "failed": len(results) - len(ok),
-                     "errors": sorted({r.error for r in results if r.error})[:5]},
+        "requests": {
+            "completed": len(ok),
+            "failed": len(results) - len(ok),
+            "errors": sorted({r.error for r in results if r.error})[:5],
+        },
         "wall_s": wall_s,
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / wall_s if wall_s > 0 else None,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
-        "latency_s": {f"p{q}": percentile(latencies, q) for q in PERCENTILES} | {
-            "mean": sum(latencies) / len(latencies) if latencies else None},
+        "latency_s": {f"p{q}": percentile(latencies, q) for q in PERCENTILES}
+        | {"mean": sum(latencies) / len(latencies) if latencies else None},
         "ttft_s": {f"p{q}": percentile(ttfts, q) for q in PERCENTILES} if ttfts else None,
         "acceptance": acceptance_summary(delta),
         "raw_counter_deltas": asdict(delta),
@@ -270,18 +313,32 @@ def format_table(report: Mapping[str, Any]) -> str:
     acc = report["acceptance"]
     lat = report["latency_s"]
     rows = [
-        ("requests (ok / failed)", f"{report['requests']['completed']} / {report['requests']['failed']}"),
+        (
+            "requests (ok / failed)",
+            f"{report['requests']['completed']} / {report['requests']['failed']}",
+        ),
         ("mean acceptance length", num(acc["mean_acceptance_length"])),
         ("draft acceptance rate", num(acc["draft_acceptance_rate"])),
-        ("drafts / draft tokens / accepted", f"{acc['num_drafts']:.0f} / {acc['num_draft_tokens']:.0f} / "
-                                             f"{acc['num_accepted_tokens']:.0f}"),
+        (
+            "drafts / draft tokens / accepted",
+            f"{acc['num_drafts']:.0f} / {acc['num_draft_tokens']:.0f} / "
+            f"{acc['num_accepted_tokens']:.0f}",
+        ),
         ("output tokens (from usage)", str(report["output_tokens"])),
         ("output tok/s", num(report["output_tokens_per_s"], ".1f")),
         ("latency p50 / p90 / p99 (s)", " / ".join(num(lat[f"p{q}"]) for q in (50, 90, 99))),
     ]
     if report["ttft_s"]:
-        rows.append(("TTFT p50 / p90 / p99 (s)", " / ".join(num(report["ttft_s"][f"p{q}"]) for q in (50, 90, 99))))
-    rows += [(f"acceptance at position {i}", num(r)) for i, r in enumerate(acc["per_position_acceptance_rate"])]
+        rows.append(
+            (
+                "TTFT p50 / p90 / p99 (s)",
+                " / ".join(num(report["ttft_s"][f"p{q}"]) for q in (50, 90, 99)),
+            )
+        )
+    rows += [
+        (f"acceptance at position {i}", num(r))
+        for i, r in enumerate(acc["per_position_acceptance_rate"])
+    ]
     width = max(len(k) for k, _ in rows)
     lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
     lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
@@ -290,19 +347,49 @@ def format_table(report: Mapping[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1 (default %(default)s)")
-    p.add_argument("--metrics-path", default="/metrics", help="Prometheus page on the server (default %(default)s)")
-    p.add_argument("--model", help="model name to request (default: the server's first /v1/models entry)")
-    p.add_argument("--prompts", required=True, help="prompt file: one prompt per line, or .jsonl with a 'prompt' key")
-    p.add_argument("--num-prompts", type=int, help="cycle or cut the prompt file to this many requests")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default %(default)s)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default %(default)s)")
+    p.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="server root, without /v1 (default %(default)s)",
+    )
+    p.add_argument(
+        "--metrics-path",
+        default="/metrics",
+        help="Prometheus page on the server (default %(default)s)",
+    )
+    p.add_argument(
+        "--model", help="model name to request (default: the server's first /v1/models entry)"
+    )
+    p.add_argument(
+        "--prompts",
+        required=True,
+        help="prompt file: one prompt per line, or .jsonl with a 'prompt' key",
+    )
+    p.add_argument(
+        "--num-prompts", type=int, help="cycle or cut the prompt file to this many requests"
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=8, help="requests in flight (default %(default)s)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature (default %(default)s)"
+    )
     p.add_argument("--top-p", type=float, help="nucleus sampling (default: the server's)")
-    p.add_argument("--max-tokens", type=int, default=512, help="tokens per completion (default %(default)s)")
-    p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens for every request (vLLM only)")
-    p.add_argument("--stream", action="store_true", help="stream, and report time to first token as well")
+    p.add_argument(
+        "--max-tokens", type=int, default=512, help="tokens per completion (default %(default)s)"
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate max-tokens for every request (vLLM only)",
+    )
+    p.add_argument(
+        "--stream", action="store_true", help="stream, and report time to first token as well"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    p.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY"
+    )
     return p
 
 

@@ -28,7 +28,9 @@ PROMPTS = [
 ]
 
 
-def build_speculative_config(drafter: str, attention_backend: str, temperature: float) -> dict[str, Any]:
+def build_speculative_config(
+    drafter: str, attention_backend: str, temperature: float
+) -> dict[str, Any]:
     """The DSpark speculative config for sampling (T > 0) or greedy (T = 0) clients."""
     config: dict[str, Any] = {
         "method": "dspark",
@@ -49,7 +51,9 @@ def acceptance(metrics: Sequence[Any]) -> dict[str, Any]:
     per_pos: list[float] = []
     for m in metrics:
         if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            per_pos = [a + b for a, b in zip_longest(per_pos, m.values, fillvalue=0.0)]  # summed over engines
+            per_pos = [
+                a + b for a, b in zip_longest(per_pos, m.values, fillvalue=0.0)
+            ]  # summed over engines
         elif m.name.startswith("vllm:spec_decode_"):
             totals[m.name] = totals.get(m.name, 0.0) + m.value
     drafts = totals.get("vllm:spec_decode_num_drafts", 0.0)
@@ -64,9 +68,15 @@ def acceptance(metrics: Sequence[Any]) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="moonshotai/Kimi-K3", help="the target (default %(default)s)")
-    p.add_argument("--drafter", default="Inferact/Kimi-K3-DSpark", help="the DSpark drafter (default %(default)s)")
+    p.add_argument(
+        "--drafter",
+        default="Inferact/Kimi-K3-DSpark",
+        help="the DSpark drafter (default %(default)s)",
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=8)
-    p.add_argument("--attention-backend", help="draft attention backend (default: by this GPU's capability)")
+    p.add_argument(
+        "--attention-backend", help="draft attention backend (default: by this GPU's capability)"
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=512)
     return p
@@ -90,7 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for output in llm.generate(PROMPTS, params):
         print(f"--- {output.prompt!r}\n{output.outputs[0].text}\n")
     stats = acceptance(llm.get_metrics())
-    print(f"drafts: {stats['num_drafts']:.0f}  mean acceptance length: {stats['mean_acceptance_length']}")
+    print(
+        f"drafts: {stats['num_drafts']:.0f}  mean acceptance length: {stats['mean_acceptance_length']}"
+    )
     print("per-position acceptance:", [round(r, 3) for r in stats["per_position_acceptance_rate"]])
     return 0
 

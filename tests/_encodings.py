@@ -13,25 +13,37 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from vllm_dspark.checkpoint.layout import checkpoint_modules, kind_regex
 from vllm_dspark.config import K3DSparkConfig
-from vllm_dspark.layout import checkpoint_modules, kind_regex
 
 # (config.json, quantized kinds) -> (targets, ignore)
 Encoding = Callable[[dict, list[str]], tuple[list[str], list[str]]]
 
 
 def _specs(config: dict):
-    return checkpoint_modules(K3DSparkConfig(**{k: v for k, v in config.items() if k != "quantization_config"}))
+    return checkpoint_modules(
+        K3DSparkConfig(**{k: v for k, v in config.items() if k != "quantization_config"})
+    )
 
 
-def _names(config: dict, kinds: list[str], *, quantized: bool, prefix: str = "", runtime: bool = False,
-           linears_only: bool = False) -> list[str]:
+def _names(
+    config: dict,
+    kinds: list[str],
+    *,
+    quantized: bool,
+    prefix: str = "",
+    runtime: bool = False,
+    linears_only: bool = False,
+) -> list[str]:
     start = config["target_num_hidden_layers"]
     out = []
     for s in _specs(config):
         if (s.kind in kinds) != quantized or (linears_only and s.role != "linear"):
             continue
-        out.append(prefix + (f"layers.{start + s.layer}.{s.kind}" if runtime and s.layer is not None else s.name))
+        out.append(
+            prefix
+            + (f"layers.{start + s.layer}.{s.kind}" if runtime and s.layer is not None else s.name)
+        )
     return out
 
 
@@ -40,13 +52,17 @@ def literal(config, kinds):
 
 
 def model_prefix(config, kinds):
-    return (_names(config, kinds, quantized=True, prefix="model."),
-            _names(config, kinds, quantized=False, prefix="model."))
+    return (
+        _names(config, kinds, quantized=True, prefix="model."),
+        _names(config, kinds, quantized=False, prefix="model."),
+    )
 
 
 def runtime_index(config, kinds):
-    return (_names(config, kinds, quantized=True, prefix="model.", runtime=True),
-            _names(config, kinds, quantized=False, prefix="model.", runtime=True))
+    return (
+        _names(config, kinds, quantized=True, prefix="model.", runtime=True),
+        _names(config, kinds, quantized=False, prefix="model.", runtime=True),
+    )
 
 
 def linear_class_with_ignore(config, kinds):

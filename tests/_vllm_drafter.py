@@ -2,7 +2,7 @@
 """Build ``K3DSparkForCausalLM`` on CPU the way vLLM's ``dspark`` speculator does, and drive its hooks.
 
 Shared by ``test_model.py`` and ``test_model_quant.py``. Loading is the package's
-:func:`vllm_dspark.vllm_load.load_with_vllm`, vLLM's own ``load_dspark_model`` path (its docstring
+:func:`vllm_dspark.tools.vllm_load.load_with_vllm`, vLLM's own ``load_dspark_model`` path (its docstring
 lists what stands in for an engine on CPU: the V1-runner check and the target, reduced to the heads
 the drafter shares); here the plugin's serve-time ``doctor`` hook is also off
 (``VLLM_DSPARK_DOCTOR=0``), so that the model must refuse an unservable drafter on its own.
@@ -23,22 +23,28 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_dspark.vllm_load import Served, load_with_vllm
-
-__all__ = ["SKEWED_CONFIG", "Served", "load_drafter"]
+from vllm_dspark.tools.vllm_load import Served, load_with_vllm
 
 # logit_scale != 1 and mscale != mscale_all_dim: every preset has 1.0 and equal mscales, where a dropped
 # logit_scale, a swapped mscale or cos/sin left unscaled computes the same numbers as the right code.
 SKEWED_CONFIG = {"logit_scale": 1.75, "mscale": 1.0, "mscale_all_dim": 0.5}
 
 
-def load_drafter(target_dir: Path, draft_dir: Path, *, dtype: str = "float32",
-                 heads_file: Path | None = None, **speculative: Any) -> Served:
+def load_drafter(
+    target_dir: Path,
+    draft_dir: Path,
+    *,
+    dtype: str = "float32",
+    heads_file: Path | None = None,
+    **speculative: Any,
+) -> Served:
     """``load_with_vllm`` with the plugin's serve-time doctor off: these tests are about what the
     model itself refuses, and the doctor would refuse some bad drafters before the model is built."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_DSPARK_DOCTOR", "0")
-        return load_with_vllm(draft_dir, target_dir=target_dir, dtype=dtype, heads_file=heads_file, **speculative)
+        return load_with_vllm(
+            draft_dir, target_dir=target_dir, dtype=dtype, heads_file=heads_file, **speculative
+        )
 
 
 def variant(source: Path, dest: Path, edit_config) -> Path:
@@ -68,7 +74,10 @@ class Batch:
     anchors: torch.Tensor  # [R]
 
     def slots(self, r: int, positions: torch.Tensor) -> torch.Tensor:
-        return self.block_table[r, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        return (
+            self.block_table[r, positions // self.block_size].long() * self.block_size
+            + positions % self.block_size
+        )
 
     @property
     def context_positions(self) -> torch.Tensor:
@@ -96,10 +105,14 @@ class Batch:
         return torch.stack([torch.arange(n, n + block) for n in self.context_lens])
 
 
-def make_batch(config, *, seed: int = 0, context_lens: tuple[int, ...] = (3, 6), block_size: int = 4) -> Batch:
+def make_batch(
+    config, *, seed: int = 0, context_lens: tuple[int, ...] = (3, 6), block_size: int = 4
+) -> Batch:
     """Requests with contexts of ``context_lens`` tokens (positions ``0 .. n - 1``), each followed by a block."""
     generator = torch.Generator().manual_seed(seed)
-    aux = torch.randn(sum(context_lens), config.num_target_layers * config.target_hidden_size, generator=generator)
+    aux = torch.randn(
+        sum(context_lens), config.num_target_layers * config.target_hidden_size, generator=generator
+    )
     anchors = torch.randint(0, config.vocab_size, (len(context_lens),), generator=generator)
     # Physical blocks shuffled across requests and shared by nobody: exercises the paged gather.
     pages = [-(-(n + config.block_size) // block_size) for n in context_lens]
@@ -128,26 +141,39 @@ def run_block(served: Served, batch: Batch) -> torch.Tensor:
 
     model, config = served.model, served.model.config
     n = config.block_size
-    input_ids = torch.cat([torch.tensor([int(a)] + [config.mask_token_id] * (n - 1)) for a in batch.anchors])
+    input_ids = torch.cat(
+        [torch.tensor([int(a)] + [config.mask_token_id] * (n - 1)) for a in batch.anchors]
+    )
     positions = batch.block_positions(n).flatten()
-    slots = torch.cat([batch.slots(r, torch.arange(c, c + n)) for r, c in enumerate(batch.context_lens)])
+    slots = torch.cat(
+        [batch.slots(r, torch.arange(c, c + n)) for r, c in enumerate(batch.context_lens)]
+    )
     meta = LatentAttentionMetadata(
         query_start_loc=torch.arange(0, n * len(batch.context_lens) + 1, n),
         seq_lens=torch.tensor([c + n for c in batch.context_lens]),
         block_table=batch.block_table,
     )
     names = model.get_draft_kv_cache_layer_names()
-    with set_forward_context({name: meta for name in names}, served.vllm_config,
-                             slot_mapping={name: slots for name in names}):
+    with set_forward_context(
+        {name: meta for name in names},
+        served.vllm_config,
+        slot_mapping={name: slots for name in names},
+    ):
         return model(input_ids, positions)
 
 
-def reference_context_kv(reference, context: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_context_kv(
+    reference, context: torch.Tensor, batch: Batch
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[L, R, T_max, latent]`` context latents of every request, padded, and the ``[R, T_max]`` mask."""
     t_max = max(batch.context_lens)
-    per_request = [reference.context_kv(context[None, batch.context_rows(r)], torch.arange(n)[None])
-                   for r, n in enumerate(batch.context_lens)]
-    latents = torch.zeros(per_request[0].shape[0], len(per_request), t_max, per_request[0].shape[-1])
+    per_request = [
+        reference.context_kv(context[None, batch.context_rows(r)], torch.arange(n)[None])
+        for r, n in enumerate(batch.context_lens)
+    ]
+    latents = torch.zeros(
+        per_request[0].shape[0], len(per_request), t_max, per_request[0].shape[-1]
+    )
     mask = torch.zeros(len(per_request), t_max, dtype=torch.bool)
     for r, kv in enumerate(per_request):
         latents[:, r, : kv.shape[2]] = kv[:, 0]
@@ -155,13 +181,27 @@ def reference_context_kv(reference, context: torch.Tensor, batch: Batch) -> tupl
     return latents, mask
 
 
-HOOKS = ("combine_hidden_states", "context_latent", "forward", "compute_draft_logits", "markov_embed", "markov_bias",
-         "compute_confidence")
+HOOKS = (
+    "combine_hidden_states",
+    "context_latent",
+    "forward",
+    "compute_draft_logits",
+    "markov_embed",
+    "markov_bias",
+    "compute_confidence",
+)
 
 
-def assert_hooks_match_reference(served: Served, reference, *, atol: float = 0.0, rtol: float = 0.0,
-                                 norm_rtol: Mapping[str, float] | None = None, batch: Batch | None = None,
-                                 errors: dict[str, float] | None = None) -> None:
+def assert_hooks_match_reference(
+    served: Served,
+    reference,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    norm_rtol: Mapping[str, float] | None = None,
+    batch: Batch | None = None,
+    errors: dict[str, float] | None = None,
+) -> None:
     """Every hook the speculator calls, on the same inputs, against the FP32 reference drafter.
 
     Elementwise within ``atol``/``rtol``, or, with ``norm_rtol`` (one bound per name in ``HOOKS``),
@@ -180,9 +220,13 @@ def assert_hooks_match_reference(served: Served, reference, *, atol: float = 0.0
         if errors is not None:
             errors[hook] = max(errors.get(hook, 0.0), error)
         if norm_rtol is None:
-            torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(
+                actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}"
+            )
             return
-        assert error <= norm_rtol[hook], f"{what}: relative error {error:.2e} > {norm_rtol[hook]:.1e}"
+        assert error <= norm_rtol[hook], (
+            f"{what}: relative error {error:.2e} > {norm_rtol[hook]:.1e}"
+        )
 
     # combine_hidden_states: context_proj -> context_norm
     context = model.combine_hidden_states(batch.aux.to(dtype))
@@ -200,9 +244,12 @@ def assert_hooks_match_reference(served: Served, reference, *, atol: float = 0.0
     # forward: the non-causal block over the pages (attention included)
     hidden = run_block(served, batch)
     n = config.block_size
-    expected_hidden = reference.block_hidden(batch.anchors, expected_kv, batch.block_positions(n),
-                                             context_mask=context_mask)
-    close(hidden, expected_hidden.reshape(-1, config.hidden_size), "forward", " (block hidden states)")
+    expected_hidden = reference.block_hidden(
+        batch.anchors, expected_kv, batch.block_positions(n), context_mask=context_mask
+    )
+    close(
+        hidden, expected_hidden.reshape(-1, config.hidden_size), "forward", " (block hidden states)"
+    )
     # The query block's own latents were written to its slots.
     for i, cache in enumerate(caches):
         for r, c in enumerate(batch.context_lens):
@@ -210,12 +257,19 @@ def assert_hooks_match_reference(served: Served, reference, *, atol: float = 0.0
             assert stored.abs().sum() > 0, f"layer {i} wrote no latent for request {r}'s block"
 
     # heads, on the model's own hidden states
-    close(model.compute_draft_logits(hidden), reference.base_logits(hidden.float()), "compute_draft_logits")
+    close(
+        model.compute_draft_logits(hidden),
+        reference.base_logits(hidden.float()),
+        "compute_draft_logits",
+    )
     others = torch.randint(0, config.vocab_size, (5,), generator=torch.Generator().manual_seed(1))
     prev = torch.cat([batch.anchors, others])
     markov = model.markov_embed(prev)
     close(markov, reference.markov_embed(prev), "markov_embed")
     close(model.markov_bias(markov), reference.markov_bias(markov.float()), "markov_bias")
     rows = hidden[: prev.shape[0]]
-    close(model.compute_confidence(rows, markov), reference.confidence(rows.float(), markov.float()),
-          "compute_confidence")
+    close(
+        model.compute_confidence(rows, markov),
+        reference.confidence(rows.float(), markov.float()),
+        "compute_confidence",
+    )

@@ -39,8 +39,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_mla_target(tmp_path_factory: pytest.TempPathFactory):
     """config.json of a tiny DeepSeek-V3 (MLA) target of the geometry the ``tiny`` drafter expects."""
-    from vllm_dspark.presets import preset_config
-    from vllm_dspark.vllm_load import write_target_config
+    from vllm_dspark.checkpoint.presets import preset_config
+    from vllm_dspark.tools.vllm_load import write_target_config
 
     return write_target_config(preset_config("tiny"), tmp_path_factory.mktemp("tiny_mla_target"))
 
@@ -53,9 +53,18 @@ def tiny_llama_target(tmp_path_factory: pytest.TempPathFactory):
 
     path = tmp_path_factory.mktemp("tiny_llama")
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=512, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=512,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+    )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     return path
 
@@ -64,7 +73,7 @@ def tiny_llama_target(tmp_path_factory: pytest.TempPathFactory):
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     """A random ``tiny``-preset drafter written by ``vllm-dspark make-random --seed 0``: config.json,
     shard + index, and the target's embedding / lm_head in ``target/``. Shared: copy it before editing."""
-    from vllm_dspark.make_random import make_random
+    from vllm_dspark.checkpoint.make_random import make_random
 
     return make_random(tmp_path_factory.mktemp("tiny_checkpoint"), "tiny", seed=0, progress=False)
 
@@ -97,6 +106,8 @@ def skewed_checkpoint(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory)
 
     def skew(config: dict) -> None:
         config["logit_scale"] = SKEWED_CONFIG["logit_scale"]
-        config["rope_parameters"].update(mscale=SKEWED_CONFIG["mscale"], mscale_all_dim=SKEWED_CONFIG["mscale_all_dim"])
+        config["rope_parameters"].update(
+            mscale=SKEWED_CONFIG["mscale"], mscale_all_dim=SKEWED_CONFIG["mscale_all_dim"]
+        )
 
     return variant(tiny_checkpoint, tmp_path_factory.mktemp("skewed") / "drafter", skew)

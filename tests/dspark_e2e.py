@@ -31,8 +31,10 @@ BLOCK = 7
 PROMPTS = [[11, 250, 3000, 42, 7, 900, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [4000, 17]]
 # Per platform: prompts and tokens per request. The CPU run interprets vLLM's Triton kernels
 # (about a second per decoding step on 2 cores), so it is sized to stay within CI's budget.
-SIZES = {"cpu": {"prompts": 2, "max_tokens": 10, "broken_tokens": 3},
-         "cuda": {"prompts": 3, "max_tokens": 48, "broken_tokens": 8}}
+SIZES = {
+    "cpu": {"prompts": 2, "max_tokens": 10, "broken_tokens": 3},
+    "cuda": {"prompts": 3, "max_tokens": 48, "broken_tokens": 8},
+}
 # TRITON_MLA: the non-causal-capable MLA backend on Hopper, for target and draft on GPUs (one layout).
 CUDA_ATTENTION_BACKEND = "TRITON_MLA"
 
@@ -45,43 +47,82 @@ def build_models(root: Path) -> dict[str, Path]:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
 
-    from vllm_dspark.make_random import make_random_like
-    from vllm_dspark.quantize import quantize_checkpoint
+    from vllm_dspark.checkpoint.make_random import make_random_like
+    from vllm_dspark.checkpoint.quantize import quantize_checkpoint
 
     torch.manual_seed(0)
     target_config = DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=8, first_k_dense_replace=8, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        n_group=1, topk_group=1, max_position_embeddings=4096, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=8,
+        first_k_dense_replace=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
     )
     target_config.architectures = ["DeepseekV3ForCausalLM"]
     DeepseekV3ForCausalLM(target_config).to(torch.bfloat16).save_pretrained(root / "target")
     specials = ["<unk>", "<s>", "</s>", "<pad>"]
-    vocab = {token: i for i, token in enumerate(specials)} | {f"w{i}": i for i in range(len(specials), VOCAB)}
+    vocab = {token: i for i, token in enumerate(specials)} | {
+        f"w{i}": i for i in range(len(specials), VOCAB)
+    }
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>").save_pretrained(root / "target")
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    ).save_pretrained(root / "target")
     make_random_like(root / "drafter", root / "target", num_layers=2, seed=0, progress=False)
     quantize_checkpoint(root / "drafter", root / "drafter-fp8", "fp8", progress=False)
-    return {"target": root / "target", "drafter": root / "drafter", "drafter-fp8": root / "drafter-fp8"}
+    return {
+        "target": root / "target",
+        "drafter": root / "drafter",
+        "drafter-fp8": root / "drafter-fp8",
+    }
 
 
-def _engine(platform: str, target: Path, speculative_config: dict | None, *, enforce_eager: bool = True):
+def _engine(
+    platform: str, target: Path, speculative_config: dict | None, *, enforce_eager: bool = True
+):
     from vllm import LLM
 
     if platform == "cuda":
-        extra: dict[str, Any] = {"gpu_memory_utilization": 0.3, "attention_config": {"backend": CUDA_ATTENTION_BACKEND}}
+        extra: dict[str, Any] = {
+            "gpu_memory_utilization": 0.3,
+            "attention_config": {"backend": CUDA_ATTENTION_BACKEND},
+        }
         if speculative_config is not None:
             speculative_config = {**speculative_config, "attention_backend": CUDA_ATTENTION_BACKEND}
     else:
         # Small token budgets: MRV2's input-preparation kernels loop over them, interpreted.
         extra = {"max_num_batched_tokens": 128}
-    return LLM(model=str(target), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, max_num_seqs=4,
-               enforce_eager=enforce_eager, seed=0, disable_log_stats=False, speculative_config=speculative_config,
-               # A cached prefix would skip the target forward that hands the drafter its aux states.
-               enable_prefix_caching=False, **extra)
+    return LLM(
+        model=str(target),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=128,
+        max_num_seqs=4,
+        enforce_eager=enforce_eager,
+        seed=0,
+        disable_log_stats=False,
+        speculative_config=speculative_config,
+        # A cached prefix would skip the target forward that hands the drafter its aux states.
+        enable_prefix_caching=False,
+        **extra,
+    )
 
 
 def _worker(llm):
@@ -108,7 +149,9 @@ class Capture:
     def _wrapped_sample_sequential(self, num_reqs: int, head_hidden):
         spec = self._speculator
         rows = spec.sample_indices[: num_reqs * spec.num_speculative_steps]
-        self._hidden = head_hidden[rows].float().cpu().view(num_reqs, spec.num_speculative_steps, -1)
+        self._hidden = (
+            head_hidden[rows].float().cpu().view(num_reqs, spec.num_speculative_steps, -1)
+        )
         return self._sample_sequential(num_reqs, head_hidden)
 
     def _wrapped_propose(self, *args, **kwargs):
@@ -123,17 +166,19 @@ class Capture:
         batch = call["input_batch"]
         num_reqs, num_tokens = batch.num_reqs, batch.num_tokens
         anchor_idx = spec._anchor_idx[:num_reqs]
-        self.steps.append({
-            "req_ids": list(batch.req_ids[:num_reqs]),
-            "query_start_loc": batch.query_start_loc[: num_reqs + 1].cpu().clone(),
-            "positions": batch.positions[:num_tokens].cpu().clone(),
-            "aux": torch.cat(call["aux_hidden_states"], dim=-1)[:num_tokens].float().cpu(),
-            "num_rejected": call["num_rejected"][:num_reqs].cpu().clone(),
-            "anchors": spec.input_buffers.input_ids[anchor_idx].cpu().clone(),
-            "anchor_positions": spec.input_buffers.positions[anchor_idx].cpu().clone(),
-            "hidden": self._hidden,
-            "drafted": drafted[:num_reqs].cpu().clone(),
-        })
+        self.steps.append(
+            {
+                "req_ids": list(batch.req_ids[:num_reqs]),
+                "query_start_loc": batch.query_start_loc[: num_reqs + 1].cpu().clone(),
+                "positions": batch.positions[:num_tokens].cpu().clone(),
+                "aux": torch.cat(call["aux_hidden_states"], dim=-1)[:num_tokens].float().cpu(),
+                "num_rejected": call["num_rejected"][:num_reqs].cpu().clone(),
+                "anchors": spec.input_buffers.input_ids[anchor_idx].cpu().clone(),
+                "anchor_positions": spec.input_buffers.positions[anchor_idx].cpu().clone(),
+                "hidden": self._hidden,
+                "drafted": drafted[:num_reqs].cpu().clone(),
+            }
+        )
         return drafted
 
     def close(self) -> list[dict[str, Any]]:
@@ -152,7 +197,12 @@ def _describe(worker) -> dict:
 
     def spec(name: str) -> list:
         s = layers[name].get_kv_cache_spec(runner.vllm_config)
-        return [type(s).__name__, s.head_size, s.page_size_bytes, getattr(s, "non_causal_multi_token_decode", None)]
+        return [
+            type(s).__name__,
+            s.head_size,
+            s.page_size_bytes,
+            getattr(s, "non_causal_multi_token_decode", None),
+        ]
 
     from vllm.model_executor.layers.linear import LinearBase
 
@@ -161,18 +211,30 @@ def _describe(worker) -> dict:
         # Linears only: the shared embed_tokens and lm_head and markov_w2 are embeddings.
         if isinstance(module, LinearBase):
             scheme = getattr(module, "scheme", None)
-            quant[name] = type(scheme).__name__ if scheme is not None else type(module.quant_method).__name__
+            quant[name] = (
+                type(scheme).__name__ if scheme is not None else type(module.quant_method).__name__
+            )
             if hasattr(scheme, "linear_kernel"):
                 kernels.add(type(scheme.linear_kernel).__name__)
     shared = next((g for g in groups if set(draft_layers) <= set(g)), [])
     target_layers = [name for name in shared if name not in draft_layers]
-    return {"class": type(drafter).__name__, "draft_layers": draft_layers, "groups": groups, "quant": quant,
-            "quant_kernels": sorted(kernels),
-            "attention": sorted({type(layers[n]).__name__ + "/" + layers[n].get_attn_backend().get_name()
-                                 for n in draft_layers}),
-            "draft_specs": [spec(n) for n in draft_layers], "target_specs": [spec(n) for n in target_layers],
-            "embed_shared": drafter.model.embed_tokens is runner.get_model().model.embed_tokens,
-            "lm_head_shared": drafter.lm_head is runner.get_model().lm_head}
+    return {
+        "class": type(drafter).__name__,
+        "draft_layers": draft_layers,
+        "groups": groups,
+        "quant": quant,
+        "quant_kernels": sorted(kernels),
+        "attention": sorted(
+            {
+                type(layers[n]).__name__ + "/" + layers[n].get_attn_backend().get_name()
+                for n in draft_layers
+            }
+        ),
+        "draft_specs": [spec(n) for n in draft_layers],
+        "target_specs": [spec(n) for n in target_layers],
+        "embed_shared": drafter.model.embed_tokens is runner.get_model().model.embed_tokens,
+        "lm_head_shared": drafter.lm_head is runner.get_model().lm_head,
+    }
 
 
 def _counters(llm) -> dict:
@@ -219,10 +281,17 @@ def run(platform: str, models: dict[str, Path], out: Path) -> None:
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[: size["prompts"]]]
 
     def greedy(n: int = size["max_tokens"], logprobs: int | None = None) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False, logprobs=logprobs)
+        return SamplingParams(
+            temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False, logprobs=logprobs
+        )
 
     def spec(drafter: str, **extra) -> dict:
-        return {"method": "dspark", "model": str(models[drafter]), "num_speculative_tokens": BLOCK, **extra}
+        return {
+            "method": "dspark",
+            "model": str(models[drafter]),
+            "num_speculative_tokens": BLOCK,
+            **extra,
+        }
 
     results: dict[str, Any] = {"platform": platform, "block": BLOCK, **size}
     captures: dict[str, list] = {}
@@ -232,12 +301,18 @@ def run(platform: str, models: dict[str, Path], out: Path) -> None:
             start = time.perf_counter()
             result = use(llm)
             return {**result, "generate_seconds": time.perf_counter() - start}
+
         return run_timed
 
-    results["baseline"] = _served(platform, models["target"], None, timed(
-        lambda llm: {"outputs": _outputs(llm.generate(prompts, greedy(logprobs=2)))}))
+    results["baseline"] = _served(
+        platform,
+        models["target"],
+        None,
+        timed(lambda llm: {"outputs": _outputs(llm.generate(prompts, greedy(logprobs=2)))}),
+    )
 
     for name, drafter in (("bf16", "drafter"), ("fp8", "drafter-fp8")):
+
         def serve(llm, name=name) -> dict:
             worker = _worker(llm)
             capture = Capture(worker.model_runner.speculator)
@@ -247,22 +322,54 @@ def run(platform: str, models: dict[str, Path], out: Path) -> None:
             captures[name] = capture.close()
             counters = _counters(llm)
             if name == "bf16":
-                captures.update(_broken_hook_captures(llm, worker, prompts[:1], greedy(size["broken_tokens"])))
-            return {"outputs": outputs, "counters": counters, "worker": _describe(worker), "generate_seconds": seconds}
+                captures.update(
+                    _broken_hook_captures(llm, worker, prompts[:1], greedy(size["broken_tokens"]))
+                )
+            return {
+                "outputs": outputs,
+                "counters": counters,
+                "worker": _describe(worker),
+                "generate_seconds": seconds,
+            }
 
         results[name] = _served(platform, models["target"], spec(drafter), serve)
 
-    params = [greedy()] + [SamplingParams(temperature=0.8 + 0.2 * i, seed=1 + i, max_tokens=size["max_tokens"],
-                                          ignore_eos=True, detokenize=False) for i in range(len(prompts) - 1)]
+    params = [greedy()] + [
+        SamplingParams(
+            temperature=0.8 + 0.2 * i,
+            seed=1 + i,
+            max_tokens=size["max_tokens"],
+            ignore_eos=True,
+            detokenize=False,
+        )
+        for i in range(len(prompts) - 1)
+    ]
     results["probabilistic"] = _served(
-        platform, models["target"], spec("drafter", draft_sample_method="probabilistic", rejection_sample_method="block"),
-        timed(lambda llm: {"outputs": _outputs(llm.generate(prompts, params)), "counters": _counters(llm)}))
+        platform,
+        models["target"],
+        spec("drafter", draft_sample_method="probabilistic", rejection_sample_method="block"),
+        timed(
+            lambda llm: {
+                "outputs": _outputs(llm.generate(prompts, params)),
+                "counters": _counters(llm),
+            }
+        ),
+    )
 
     if platform == "cuda":
         # The production path: the draft step (backbone + sequential Markov sampling) in a FULL CUDA graph.
-        results["cudagraphs"] = _served(platform, models["target"], spec("drafter"), timed(
-            lambda llm: {"outputs": _outputs(llm.generate(prompts, greedy())), "counters": _counters(llm)}),
-            enforce_eager=False)
+        results["cudagraphs"] = _served(
+            platform,
+            models["target"],
+            spec("drafter"),
+            timed(
+                lambda llm: {
+                    "outputs": _outputs(llm.generate(prompts, greedy())),
+                    "counters": _counters(llm),
+                }
+            ),
+            enforce_eager=False,
+        )
 
     out.mkdir(parents=True, exist_ok=True)
     torch.save(captures, out / "captures.pt")

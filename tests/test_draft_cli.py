@@ -13,16 +13,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_dspark import cli
-from vllm_dspark.draft import INPUT_TENSORS, OUTPUT_TENSORS, example_inputs
-from vllm_dspark.presets import preset_config
-from vllm_dspark.reference import ReferenceDrafter
+from vllm_dspark.checkpoint.presets import preset_config
+from vllm_dspark.reference.drafter import ReferenceDrafter
+from vllm_dspark.tools import cli
+from vllm_dspark.tools.draft import INPUT_TENSORS, OUTPUT_TENSORS, example_inputs
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cli") / "tiny"
-    assert cli.main(["make-random", "--preset", "tiny", "--out", str(out), "--seed", "3", "--quiet"]) == 0
+    assert (
+        cli.main(["make-random", "--preset", "tiny", "--out", str(out), "--seed", "3", "--quiet"])
+        == 0
+    )
     return out
 
 
@@ -37,7 +40,9 @@ def draft(*args: str) -> int:
     return cli.main(["draft", *args])
 
 
-def test_round_trip_matches_the_reference(checkpoint: Path, inputs_file: Path, tmp_path: Path) -> None:
+def test_round_trip_matches_the_reference(
+    checkpoint: Path, inputs_file: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "out.safetensors"
     assert draft("--model", str(checkpoint), "--inputs", str(inputs_file), "--out", str(out)) == 0
     result = load_file(str(out))
@@ -45,13 +50,21 @@ def test_round_trip_matches_the_reference(checkpoint: Path, inputs_file: Path, t
     inputs = load_file(str(inputs_file))
     batch = inputs["anchor_ids"].shape[0]
     assert set(result) == set(OUTPUT_TENSORS)
-    assert result["draft_tokens"].shape == (batch, config.block_size) and result["draft_tokens"].dtype == torch.int64
+    assert (
+        result["draft_tokens"].shape == (batch, config.block_size)
+        and result["draft_tokens"].dtype == torch.int64
+    )
     assert result["logits"].shape == (batch, config.block_size, config.vocab_size)
     assert ((result["confidences"] > 0) & (result["confidences"] < 1)).all()
 
     expected = ReferenceDrafter.from_pretrained(checkpoint).draft(
-        inputs["aux_hidden_states"], inputs["context_positions"], inputs["anchor_ids"],
-        context_mask=inputs["context_mask"], temperature=inputs["temperature"], seeds=inputs["seeds"])
+        inputs["aux_hidden_states"],
+        inputs["context_positions"],
+        inputs["anchor_ids"],
+        context_mask=inputs["context_mask"],
+        temperature=inputs["temperature"],
+        seeds=inputs["seeds"],
+    )
     assert torch.equal(result["draft_tokens"], expected.tokens)
     torch.testing.assert_close(result["logits"], expected.logits)
     # The example inputs pad the last request: its block starts after its last valid position.
@@ -59,8 +72,20 @@ def test_round_trip_matches_the_reference(checkpoint: Path, inputs_file: Path, t
     assert result["block_positions"][-1, 0] == last_valid + 1
 
     absorbed = tmp_path / "absorbed.safetensors"
-    assert draft("--model", str(checkpoint), "--target", str(checkpoint / "target"), "--inputs", str(inputs_file),
-                 "--out", str(absorbed), "--absorbed") == 0
+    assert (
+        draft(
+            "--model",
+            str(checkpoint),
+            "--target",
+            str(checkpoint / "target"),
+            "--inputs",
+            str(inputs_file),
+            "--out",
+            str(absorbed),
+            "--absorbed",
+        )
+        == 0
+    )
     assert torch.equal(load_file(str(absorbed))["draft_tokens"], result["draft_tokens"])
 
 
@@ -69,8 +94,19 @@ def test_bf16_and_seeded_sampling(checkpoint: Path, tmp_path: Path) -> None:
     save_file(inputs, str(tmp_path / "in.safetensors"))
     runs = []
     for name in ("a", "b"):
-        assert draft("--model", str(checkpoint), "--inputs", str(tmp_path / "in.safetensors"),
-                     "--out", str(tmp_path / f"{name}.safetensors"), "--dtype", "bf16") == 0
+        assert (
+            draft(
+                "--model",
+                str(checkpoint),
+                "--inputs",
+                str(tmp_path / "in.safetensors"),
+                "--out",
+                str(tmp_path / f"{name}.safetensors"),
+                "--dtype",
+                "bf16",
+            )
+            == 0
+        )
         runs.append(load_file(str(tmp_path / f"{name}.safetensors")))
     assert torch.equal(runs[0]["draft_tokens"], runs[1]["draft_tokens"])
     assert runs[0]["logits"].dtype == torch.float32
@@ -85,23 +121,47 @@ def test_help_documents_the_tensors(capsys) -> None:
         assert name in text
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: t.pop("anchor_ids"), r"lacks required tensor\(s\) anchor_ids: anchor_ids \[B\] int64"),
-    (lambda t: t.update(aux_hidden_states=t["aux_hidden_states"][..., :100]),
-     r"aux_hidden_states must be \[B, T, 320\] \(num_target_layers 5 x target_hidden_size 64\), "
-     r"got shape \(2, 16, 100\)"),
-    (lambda t: t.update(context_positions=t["context_positions"][:, :3]),
-     r"context_positions must be integer \[B, T\] = \[2, 16\]"),
-    (lambda t: t.update(context_mask=t["context_mask"].long()), r"context_mask must be bool \[B, T\]"),
-    (lambda t: t.update(seeds=t["seeds"][:1], temperature=torch.ones(2)), r"seeds must be \[B\] = \[2\]"),
-    (lambda t: t.update(extra=torch.ones(1)), r"unknown tensor\(s\) extra"),
-])
-def test_bad_inputs_exit_2_without_traceback(checkpoint, inputs_file, tmp_path, capsys, edit, message) -> None:
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda t: t.pop("anchor_ids"),
+            r"lacks required tensor\(s\) anchor_ids: anchor_ids \[B\] int64",
+        ),
+        (
+            lambda t: t.update(aux_hidden_states=t["aux_hidden_states"][..., :100]),
+            r"aux_hidden_states must be \[B, T, 320\] \(num_target_layers 5 x target_hidden_size 64\), "
+            r"got shape \(2, 16, 100\)",
+        ),
+        (
+            lambda t: t.update(context_positions=t["context_positions"][:, :3]),
+            r"context_positions must be integer \[B, T\] = \[2, 16\]",
+        ),
+        (
+            lambda t: t.update(context_mask=t["context_mask"].long()),
+            r"context_mask must be bool \[B, T\]",
+        ),
+        (
+            lambda t: t.update(seeds=t["seeds"][:1], temperature=torch.ones(2)),
+            r"seeds must be \[B\] = \[2\]",
+        ),
+        (lambda t: t.update(extra=torch.ones(1)), r"unknown tensor\(s\) extra"),
+    ],
+)
+def test_bad_inputs_exit_2_without_traceback(
+    checkpoint, inputs_file, tmp_path, capsys, edit, message
+) -> None:
     tensors = load_file(str(inputs_file))
     edit(tensors)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "bad.safetensors"))
-    code = draft("--model", str(checkpoint), "--inputs", str(tmp_path / "bad.safetensors"),
-                 "--out", str(tmp_path / "o"))
+    code = draft(
+        "--model",
+        str(checkpoint),
+        "--inputs",
+        str(tmp_path / "bad.safetensors"),
+        "--out",
+        str(tmp_path / "o"),
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("vllm-dspark draft: error: ") and "Traceback" not in err
@@ -111,10 +171,23 @@ def test_bad_inputs_exit_2_without_traceback(checkpoint, inputs_file, tmp_path, 
 
 def test_bad_checkpoint_exits_2(checkpoint, inputs_file, tmp_path, capsys) -> None:
     (tmp_path / "empty").mkdir()
-    code = draft("--model", str(tmp_path / "empty"), "--inputs", str(inputs_file), "--out", str(tmp_path / "o"))
+    code = draft(
+        "--model",
+        str(tmp_path / "empty"),
+        "--inputs",
+        str(inputs_file),
+        "--out",
+        str(tmp_path / "o"),
+    )
     assert code == 2 and "has no config.json" in capsys.readouterr().err
-    code = draft("--model", str(checkpoint), "--inputs", str(tmp_path / "none.safetensors"),
-                 "--out", str(tmp_path / "o"))
+    code = draft(
+        "--model",
+        str(checkpoint),
+        "--inputs",
+        str(tmp_path / "none.safetensors"),
+        "--out",
+        str(tmp_path / "o"),
+    )
     assert code == 2 and "none.safetensors does not exist" in capsys.readouterr().err
 
 
@@ -122,9 +195,23 @@ def test_console_entry_point_reports_errors_cleanly(checkpoint: Path, tmp_path: 
     """The real process: exit status 2 and a message, no traceback."""
     bad = tmp_path / "bad.safetensors"
     save_file({"anchor_ids": torch.zeros(1, dtype=torch.long)}, str(bad))
-    proc = subprocess.run([sys.executable, "-m", "vllm_dspark.cli", "draft", "--model", str(checkpoint),
-                           "--inputs", str(bad), "--out", str(tmp_path / "o.safetensors")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_dspark.tools.cli",
+            "draft",
+            "--model",
+            str(checkpoint),
+            "--inputs",
+            str(bad),
+            "--out",
+            str(tmp_path / "o.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "lacks required tensor(s) aux_hidden_states, context_positions" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -12,30 +12,41 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dspark import cli
 from vllm_dspark.drift import corpus, regimes
 from vllm_dspark.drift.cli import main, parse_position
 from vllm_dspark.drift.harness import EvalSpec, backbone, batches, load_reference, make_blocks, run
+from vllm_dspark.tools import cli
 
 
 @pytest.fixture(scope="module")
 def small_checkpoint(tmp_path_factory):
-    from vllm_dspark.make_random import make_random
+    from vllm_dspark.checkpoint.make_random import make_random
 
     return make_random(tmp_path_factory.mktemp("small_checkpoint"), "small", seed=0, progress=False)
 
 
 def _cell(results, variant, regime, position=None):
     position = results["config"]["positions"][0] if position is None else position
-    (cell,) = [c for c in results["cells"]
-               if (c["variant"], c["regime"], c["position"]) == (variant, regime, position)]
+    (cell,) = [
+        c
+        for c in results["cells"]
+        if (c["variant"], c["regime"], c["position"]) == (variant, regime, position)
+    ]
     return cell["metrics"]
 
 
 def test_second_fp32_reference_is_exact(tiny_checkpoint):
     """Agreement 1 and KL 0 in every regime, also far into the YaRN range."""
-    spec = EvalSpec(model=str(tiny_checkpoint), variants=("fp32",), blocks=12, batch_size=5, context_len=8,
-                    positions=(1 << 17,), resamples=50, progress=False)
+    spec = EvalSpec(
+        model=str(tiny_checkpoint),
+        variants=("fp32",),
+        blocks=12,
+        batch_size=5,
+        context_len=8,
+        positions=(1 << 17,),
+        resamples=50,
+        progress=False,
+    )
     results = run(spec)
     assert "loaded independently" in results["config"]["variant_sources"]["fp32"]
     assert results["config"]["positions"] == [8, 1 << 17]
@@ -47,7 +58,9 @@ def test_second_fp32_reference_is_exact(tiny_checkpoint):
         for key in ("kl_mean", "kl_p99", "reverse_kl_mean", "sched_flip_rate"):
             assert m[key]["value"] == 0.0, (cell["regime"], key)
         assert m["confidence_r"]["value"] == pytest.approx(1.0)
-        assert m["ceiling"]["value"] == pytest.approx(8.0) and m["prefix_length"]["value"] == pytest.approx(8.0)
+        assert m["ceiling"]["value"] == pytest.approx(8.0) and m["prefix_length"][
+            "value"
+        ] == pytest.approx(8.0)
 
 
 def _at_least(a, b):
@@ -57,25 +70,57 @@ def _at_least(a, b):
 
 def test_precision_ordering_on_the_small_preset(small_checkpoint):
     """BF16 >= FP8 >= each 4-bit format in agreement and ceiling."""
-    spec = EvalSpec(model=str(small_checkpoint), variants=("bf16", "fp8", "mxfp4", "nvfp4"), regimes=("heavy",),
-                    blocks=48, batch_size=16, resamples=200, progress=False)
+    spec = EvalSpec(
+        model=str(small_checkpoint),
+        variants=("bf16", "fp8", "mxfp4", "nvfp4"),
+        regimes=("heavy",),
+        blocks=48,
+        batch_size=16,
+        resamples=200,
+        progress=False,
+    )
     results = run(spec)
     m = {v: _cell(results, v, "heavy") for v in spec.variants}
     for key in ("greedy_agreement", "rollout_agreement", "one_minus_tv", "ceiling", "ceiling_tv"):
         assert _at_least(m["bf16"][key], m["fp8"][key]), key
         for four_bit in ("mxfp4", "nvfp4"):
             assert _at_least(m["fp8"][key], m[four_bit][key]), (key, four_bit)
-    assert m["bf16"]["kl_mean"]["value"] < m["fp8"]["kl_mean"]["value"] < min(
-        m["mxfp4"]["kl_mean"]["value"], m["nvfp4"]["kl_mean"]["value"])
+    assert (
+        m["bf16"]["kl_mean"]["value"]
+        < m["fp8"]["kl_mean"]["value"]
+        < min(m["mxfp4"]["kl_mean"]["value"], m["nvfp4"]["kl_mean"]["value"])
+    )
     # The quantized builds drift; a harness that scored them as exact would be broken.
     assert m["fp8"]["greedy_agreement"]["value"] < 1.0
 
 
 def test_cli_writes_results_table_and_plots(tiny_checkpoint, tmp_path):
     out = tmp_path / "results"
-    rc = main(["--model", str(tiny_checkpoint), "--variants", "fp32", "bf16", "fp8", "nvfp4", "--blocks", "6",
-               "--batch-size", "4", "--context-len", "8", "--positions", "1k", "128k", "--resamples", "40",
-               "--out", str(out), "--no-progress"])
+    rc = main(
+        [
+            "--model",
+            str(tiny_checkpoint),
+            "--variants",
+            "fp32",
+            "bf16",
+            "fp8",
+            "nvfp4",
+            "--blocks",
+            "6",
+            "--batch-size",
+            "4",
+            "--context-len",
+            "8",
+            "--positions",
+            "1k",
+            "128k",
+            "--resamples",
+            "40",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["variants"] == ["fp32", "bf16", "fp8", "nvfp4"]
@@ -90,30 +135,74 @@ def test_cli_writes_results_table_and_plots(tiny_checkpoint, tmp_path):
 
 
 def test_cli_rejects_bad_input(tiny_checkpoint, tmp_path, capsys):
-    assert cli.main(["eval", "--model", str(tiny_checkpoint), "--variants", "int3", "--blocks", "4", "--regimes",
-                     "gauss", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert (
+        cli.main(
+            [
+                "eval",
+                "--model",
+                str(tiny_checkpoint),
+                "--variants",
+                "int3",
+                "--blocks",
+                "4",
+                "--regimes",
+                "gauss",
+                "--out",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "unknown variant" in capsys.readouterr().err
-    assert cli.main(["eval", "--model", str(tiny_checkpoint), "--variants", "bf16", "--blocks", "4", "--regimes",
-                     "gauss", "--positions", "2M", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert (
+        cli.main(
+            [
+                "eval",
+                "--model",
+                str(tiny_checkpoint),
+                "--variants",
+                "bf16",
+                "--blocks",
+                "4",
+                "--regimes",
+                "gauss",
+                "--positions",
+                "2M",
+                "--out",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "out of range" in capsys.readouterr().err
 
 
 def test_quantized_checkpoint_directory_matches_the_on_the_fly_format(tiny_checkpoint, tmp_path):
     """A directory written by `vllm-dspark quantize` scores exactly like the same format made on the fly."""
-    from vllm_dspark import quantize
+    from vllm_dspark.checkpoint import quantize
 
     out = tmp_path / "ckpt-fp8"
     argv = ["--model_dir", str(tiny_checkpoint), "--output_dir", str(out), "--quant_format", "fp8"]
     assert quantize.main(argv) in (0, None)
-    spec = EvalSpec(model=str(tiny_checkpoint), variants=("fp8", str(out)), regimes=("gauss",), blocks=8,
-                    batch_size=4, context_len=8, resamples=20, progress=False)
+    spec = EvalSpec(
+        model=str(tiny_checkpoint),
+        variants=("fp8", str(out)),
+        regimes=("gauss",),
+        blocks=8,
+        batch_size=4,
+        context_len=8,
+        resamples=20,
+        progress=False,
+    )
     results = run(spec)
     on_the_fly, from_disk = _cell(results, "fp8", "gauss"), _cell(results, "ckpt-fp8", "gauss")
     for key in ("greedy_agreement", "kl_mean", "ceiling"):
         assert on_the_fly[key] == from_disk[key], key
 
 
-# ----- inputs ----------------------------------------------------------------------------------------
+# ----- inputs -----
 
 
 @pytest.mark.parametrize("regime", ["heavy", "boot"])
@@ -122,8 +211,15 @@ def test_cell_inputs_are_pinned(tiny_checkpoint, regime):
     last token of b's corpus window, block at P .. P + N - 1, which is where the drafter puts a block after
     that context."""
     t, position = 8, 40000
-    spec = EvalSpec(model=str(tiny_checkpoint), regimes=(regime,), blocks=5, batch_size=3, context_len=t,
-                    positions=(position,), progress=False)
+    spec = EvalSpec(
+        model=str(tiny_checkpoint),
+        regimes=(regime,),
+        blocks=5,
+        batch_size=3,
+        context_len=t,
+        positions=(position,),
+        progress=False,
+    )
     config, reference, _ = load_reference(spec)
     blocks = make_blocks(spec, config, reference)
     assert spec.all_positions() == [t, position]
@@ -136,8 +232,11 @@ def test_cell_inputs_are_pinned(tiny_checkpoint, regime):
             assert torch.equal(b.context_positions, torch.arange(p - t, p).expand(rows, t))
             assert torch.equal(b.block_positions, torch.arange(p, p + n).expand(rows, n))
             assert torch.equal(b.anchors, blocks.windows[b.ids, t])
-            expected_aux = (regimes.boot_aux(reference, blocks.windows[b.ids, :t], layers) if regime == "boot"
-                            else regimes.synthetic_aux(regime, b.ids.tolist(), t, layers, width, spec.seed))
+            expected_aux = (
+                regimes.boot_aux(reference, blocks.windows[b.ids, :t], layers)
+                if regime == "boot"
+                else regimes.synthetic_aux(regime, b.ids.tolist(), t, layers, width, spec.seed)
+            )
             assert torch.equal(b.aux, expected_aux)
     # What the harness scores is what the drafter drafts from those inputs.
     b = next(batches(spec, config, blocks, regime, position))
@@ -158,11 +257,13 @@ def test_synthetic_aux_is_a_function_of_the_block_alone():
 def test_heavy_regime_has_heavy_channels():
     aux = regimes.synthetic_aux("heavy", list(range(8)), 16, 1, 512, seed=0).float()
     rms = aux.pow(2).mean(dim=(0, 1)).sqrt()
-    assert rms.max() / rms.median() > 20  # lognormal sigma 1.5 over 512 channels: max ~ exp(1.5 * 3)
+    assert (
+        rms.max() / rms.median() > 20
+    )  # lognormal sigma 1.5 over 512 channels: max ~ exp(1.5 * 3)
 
 
 def test_boot_aux_is_causal(tiny_checkpoint):
-    from vllm_dspark.reference import ReferenceDrafter
+    from vllm_dspark.reference.drafter import ReferenceDrafter
 
     drafter = ReferenceDrafter.from_pretrained(tiny_checkpoint)
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))

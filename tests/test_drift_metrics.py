@@ -19,7 +19,9 @@ def test_divergences_match_hand_computation():
     d = metrics.token_divergence(_logits(*p), _logits(*q))
     assert d.overlap.item() == pytest.approx(0.4 + 0.3 + 0.2)  # Σ min(p, q) = 1 − TV, TV = 0.1
     assert d.kl.item() == pytest.approx(0.5 * math.log(0.5 / 0.4) + 0.3 * math.log(0.3 / 0.4))
-    assert d.reverse_kl.item() == pytest.approx(0.4 * math.log(0.4 / 0.5) + 0.4 * math.log(0.4 / 0.3))
+    assert d.reverse_kl.item() == pytest.approx(
+        0.4 * math.log(0.4 / 0.5) + 0.4 * math.log(0.4 / 0.3)
+    )
 
 
 def test_divergences_of_identical_distributions_are_exact():
@@ -49,7 +51,9 @@ def test_acceptance_ceiling_composes_positions_with_the_bonus_token():
     assert metrics.acceptance_ceiling([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
     assert metrics.acceptance_ceiling([0.9, 0.8, 0.5]) == pytest.approx(1 + 0.9 + 0.72 + 0.36)
     # Leading axes are independent rows.
-    np.testing.assert_allclose(metrics.acceptance_ceiling(np.array([[1, 1], [0.5, 0.5]])), [3.0, 1.75])
+    np.testing.assert_allclose(
+        metrics.acceptance_ceiling(np.array([[1, 1], [0.5, 0.5]])), [3.0, 1.75]
+    )
 
 
 def test_prefix_run_length_stops_at_the_first_mismatch():
@@ -90,8 +94,11 @@ def test_bootstrap_resamples_whole_blocks_together():
     # Two arrays resampled with the same rows keep their pairing: r stays exactly 1.
     x = np.arange(20.0).reshape(10, 2)
     idx = metrics.bootstrap_indices(10, 200, seed=3)
-    est = metrics.estimate(lambda a, b: metrics.pearson_r(a.reshape(len(a), -1), b.reshape(len(b), -1)),
-                           [x, 2 * x + 1], idx)
+    est = metrics.estimate(
+        lambda a, b: metrics.pearson_r(a.reshape(len(a), -1), b.reshape(len(b), -1)),
+        [x, 2 * x + 1],
+        idx,
+    )
     assert est.value == pytest.approx(1.0) and est.lo == pytest.approx(1.0)
 
 
@@ -118,7 +125,9 @@ def test_summarize_equals_direct_computation():
     assert s["kl_mean"]["value"] == pytest.approx(rec.kl.mean())
     assert s["kl_p99"]["value"] == pytest.approx(np.quantile(rec.kl, 0.99))
     assert s["reverse_kl_mean"]["value"] == pytest.approx(rec.reverse_kl.mean())
-    assert s["confidence_r"]["value"] == pytest.approx(np.corrcoef(rec.ref_conf.ravel(), rec.var_conf.ravel())[0, 1])
+    assert s["confidence_r"]["value"] == pytest.approx(
+        np.corrcoef(rec.ref_conf.ravel(), rec.var_conf.ravel())[0, 1]
+    )
     flips = metrics.flips_vs_block_median(rec.ref_conf, rec.var_conf)
     assert s["sched_flip_rate"]["value"] == pytest.approx(flips.mean())
     a = ro.mean(0)

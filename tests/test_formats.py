@@ -10,13 +10,16 @@ import pytest
 import torch
 from compressed_tensors.compressors.mx_utils import decompress_mx_scale
 
-from vllm_dspark import formats
-from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules, fused_module_groups
-from vllm_dspark.make_random import random_tensor
-from vllm_dspark.presets import preset_config
-from vllm_dspark.quant_plan import declared
+from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint.layout import FP8_RECIPE, checkpoint_modules, fused_module_groups
+from vllm_dspark.checkpoint.make_random import random_tensor
+from vllm_dspark.checkpoint.presets import preset_config
+from vllm_dspark.checkpoint.quant_plan import declared
 
-PACKED_MODULES_MAPPING = {"gate_up_proj": ["gate_proj", "up_proj"], "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]}
+PACKED_MODULES_MAPPING = {
+    "gate_up_proj": ["gate_proj", "up_proj"],
+    "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
+}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -47,7 +50,9 @@ def test_round_trip_through_compressed_tensors_decompression(fmt: str) -> None:
     weight = _weight()
     q = formats.quantize_weight(weight, fmt)
     specs = formats.get(fmt).tensor_specs(tuple(weight.shape))
-    assert {k: (v.dtype, tuple(v.shape)) for k, v in q.items()} == {k: (s.dtype, s.shape) for k, s in specs.items()}
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in q.items()} == {
+        k: (s.dtype, s.shape) for k, s in specs.items()
+    }
     restored = formats.dequantize_weight(q, fmt, tuple(weight.shape))
     assert restored.dtype == torch.float32
     ratio = (restored - weight.float()).abs() / _error_bound(q, fmt, weight)
@@ -56,7 +61,10 @@ def test_round_trip_through_compressed_tensors_decompression(fmt: str) -> None:
 
 def test_fp8_snr_beats_both_4bit_formats_by_a_wide_margin() -> None:
     weight = _weight()
-    snr = {fmt: formats.weight_snr_db(weight, formats.quantize_weight(weight, fmt), fmt) for fmt in formats.names()}
+    snr = {
+        fmt: formats.weight_snr_db(weight, formats.quantize_weight(weight, fmt), fmt)
+        for fmt in formats.names()
+    }
     assert snr["fp8"] > 28
     assert 14 < snr["mxfp4"] < 24 and 14 < snr["nvfp4"] < 24
     assert snr["fp8"] - max(snr["mxfp4"], snr["nvfp4"]) > 8, snr
@@ -67,14 +75,22 @@ def test_row_chunking_matches_a_single_pass(monkeypatch: pytest.MonkeyPatch) -> 
     whole = formats.quantize_weight(weight, "nvfp4")
     monkeypatch.setattr(formats, "_CHUNK_ELEMENTS", 5 * 256)  # 5 rows per chunk, a ragged last one
     chunked = formats.quantize_weight(weight, "nvfp4")
-    assert all(torch.equal(whole[k].view(torch.uint8), chunked[k].view(torch.uint8)) for k in whole if k != "weight_global_scale")
+    assert all(
+        torch.equal(whole[k].view(torch.uint8), chunked[k].view(torch.uint8))
+        for k in whole
+        if k != "weight_global_scale"
+    )
 
 
 @pytest.mark.parametrize("fmt", formats.names())
-def test_fake_quantize_equals_the_packed_round_trip_in_bf16(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fake_quantize_equals_the_packed_round_trip_in_bf16(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(formats, "_CHUNK_ELEMENTS", 5 * 512)  # several chunks, a ragged last one
     weight = _weight()
-    shared = formats.get("nvfp4").shared_global_scale([weight, 3 * weight]) if fmt == "nvfp4" else None
+    shared = (
+        formats.get("nvfp4").shared_global_scale([weight, 3 * weight]) if fmt == "nvfp4" else None
+    )
     packed = formats.quantize_weight(weight, fmt, global_scale=shared)
     round_trip = formats.dequantize_weight(packed, fmt, tuple(weight.shape)).to(torch.bfloat16)
     fake = formats.fake_quantize_weight(weight, fmt, global_scale=shared)
@@ -108,18 +124,30 @@ def test_k3_fp8_recipe_matches_the_published_build() -> None:
     specs = checkpoint_modules(config)
     qc = formats.quantization_config("fp8", FP8_RECIPE, config)
     quantized = declared(config, qc)
-    assert len(specs) - len(quantized) == 41  # the model card's ignore count: 7 per layer x 5 + 6 global modules
+    assert (
+        len(specs) - len(quantized) == 41
+    )  # the model card's ignore count: 7 per layer x 5 + 6 global modules
     params = sum(math.prod(s.shape) for s in specs if s.name in quantized)
     total = sum(math.prod(s.shape) + (s.shape[0] if s.bias else 0) for s in specs)
     assert round(params / 1e9, 2) == 2.19 and round(total / 1e9, 2) == 3.56
-    assert len(qc["config_groups"]) == 1 and len(qc["ignore"]) == 13  # index-agnostic: one pattern per kind
-    assert all(t.startswith("re:") for t in qc["config_groups"]["group_0"]["targets"] + qc["ignore"])
+    assert (
+        len(qc["config_groups"]) == 1 and len(qc["ignore"]) == 13
+    )  # index-agnostic: one pattern per kind
+    assert all(
+        t.startswith("re:") for t in qc["config_groups"]["group_0"]["targets"] + qc["ignore"]
+    )
     assert formats.format_of(qc) == "fp8"
     json.dumps(qc)  # goes into config.json as is
 
 
-@pytest.mark.parametrize(("fmt", "format_string"), [("fp8", "naive-quantized"), ("mxfp4", "mxfp4-pack-quantized"),
-                                                     ("nvfp4", "nvfp4-pack-quantized")])
+@pytest.mark.parametrize(
+    ("fmt", "format_string"),
+    [
+        ("fp8", "naive-quantized"),
+        ("mxfp4", "mxfp4-pack-quantized"),
+        ("nvfp4", "nvfp4-pack-quantized"),
+    ],
+)
 def test_quantization_config_format_strings(fmt: str, format_string: str) -> None:
     qc = formats.quantization_config(fmt, FP8_RECIPE, preset_config("tiny"))
     assert qc["format"] == qc["config_groups"]["group_0"]["format"] == format_string
@@ -133,29 +161,47 @@ def test_format_of_accepts_float_quantized_fp8_and_refuses_pack_quantized() -> N
     qc["format"] = qc["config_groups"]["group_0"]["format"] = "float-quantized"
     assert formats.format_of(qc) == "fp8"
     qc["format"] = qc["config_groups"]["group_0"]["format"] = "pack-quantized"
-    with pytest.raises(ValueError, match="vLLM loads fp8 only as naive-quantized or float-quantized"):
+    with pytest.raises(
+        ValueError, match="vLLM loads fp8 only as naive-quantized or float-quantized"
+    ):
         formats.format_of(qc)
 
 
-@pytest.mark.parametrize(("kinds", "message"), [
-    (["mlp.gate_proj", "mlp.down_proj"], "mlp.gate_proj and mlp.up_proj are fused into mlp.gate_up_proj"),
-    (["self_attn.kv_a_proj_with_mqa"], "fused into self_attn.fused_qkv_a_proj"),
-    (["mlp.gate", "mlp.up_proj"], r"unknown layer name\(s\) in --include_layers: 'mlp.gate'.*valid ones: context_proj"),
-    (["input_layernorm"], "'input_layernorm' cannot be quantized.*is a norm"),
-    (["embed_tokens"], "'embed_tokens' cannot be quantized.*embedding table"),
-    (["markov_head.markov_w2"], "'markov_head.markov_w2' cannot be quantized.*Markov head"),
-    (["confidence_head.proj"], "'confidence_head.proj' cannot be quantized.*confidence head"),
-    ([], "--include_layers is empty"),
-])
+@pytest.mark.parametrize(
+    ("kinds", "message"),
+    [
+        (
+            ["mlp.gate_proj", "mlp.down_proj"],
+            "mlp.gate_proj and mlp.up_proj are fused into mlp.gate_up_proj",
+        ),
+        (["self_attn.kv_a_proj_with_mqa"], "fused into self_attn.fused_qkv_a_proj"),
+        (
+            ["mlp.gate", "mlp.up_proj"],
+            r"unknown layer name\(s\) in --include_layers: 'mlp.gate'.*valid ones: context_proj",
+        ),
+        (["input_layernorm"], "'input_layernorm' cannot be quantized.*is a norm"),
+        (["embed_tokens"], "'embed_tokens' cannot be quantized.*embedding table"),
+        (["markov_head.markov_w2"], "'markov_head.markov_w2' cannot be quantized.*Markov head"),
+        (["confidence_head.proj"], "'confidence_head.proj' cannot be quantized.*confidence head"),
+        ([], "--include_layers is empty"),
+    ],
+)
 def test_include_layers_refusals(kinds: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         formats.validate_include_kinds(kinds, "fp8", preset_config("tiny"))
 
 
 def test_group_formats_refuse_in_features_their_groups_do_not_divide() -> None:
-    config = preset_config("tiny", q_lora_rank=40)  # q_b_proj in_features 40: not a multiple of 32 or 16
-    assert formats.validate_include_kinds(["self_attn.q_b_proj"], "fp8", config) == ("self_attn.q_b_proj",)
-    with pytest.raises(ValueError, match=r"mxfp4 quantizes groups of 32 input columns.*self_attn.q_b_proj \(in_features 40\)"):
+    config = preset_config(
+        "tiny", q_lora_rank=40
+    )  # q_b_proj in_features 40: not a multiple of 32 or 16
+    assert formats.validate_include_kinds(["self_attn.q_b_proj"], "fp8", config) == (
+        "self_attn.q_b_proj",
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"mxfp4 quantizes groups of 32 input columns.*self_attn.q_b_proj \(in_features 40\)",
+    ):
         formats.validate_include_kinds(["self_attn.q_b_proj"], "mxfp4", config)
 
 
@@ -164,19 +210,25 @@ def vllm_config_of(tmp_path_factory: pytest.TempPathFactory):
     """vLLM's VllmConfig of a drafter dir whose config.json carries our quantization_config."""
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
 
+    from vllm_dspark.checkpoint.presets import preset_config_json
     from vllm_dspark.config import register_config
-    from vllm_dspark.presets import preset_config_json
 
     register_config()
 
     def build(fmt: str):
         model_dir = tmp_path_factory.mktemp(f"vllm-{fmt}")
         config_json = preset_config_json("tiny")
-        config_json["quantization_config"] = formats.quantization_config(fmt, FP8_RECIPE, preset_config("tiny"))
+        config_json["quantization_config"] = formats.quantization_config(
+            fmt, FP8_RECIPE, preset_config("tiny")
+        )
         (model_dir / "config.json").write_text(json.dumps(config_json))
         # device "cpu": the CUDA wheel on a machine without a GPU cannot infer a device type.
-        vllm_config = VllmConfig(model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16"),
-                                 device_config=DeviceConfig(device="cpu"))
+        vllm_config = VllmConfig(
+            model_config=ModelConfig(
+                model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16"
+            ),
+            device_config=DeviceConfig(device="cpu"),
+        )
         # What the plugin's model class does: the fused layers resolve through their shards.
         vllm_config.quant_config.packed_modules_mapping = PACKED_MODULES_MAPPING
         return vllm_config
@@ -184,17 +236,31 @@ def vllm_config_of(tmp_path_factory: pytest.TempPathFactory):
     return build
 
 
-INCLUDED_RUNTIME = ["model.layers.93.mlp.gate_up_proj", "model.layers.97.mlp.down_proj",
-                    "model.layers.95.self_attn.o_proj", "model.layers.94.self_attn.q_b_proj", "model.context_proj"]
-IGNORED_RUNTIME = ["model.layers.93.self_attn.fused_qkv_a_proj", "model.layers.96.self_attn.kv_b_proj",
-                   "model.markov_head.markov_w2", "model.confidence_head.proj", "model.embed_tokens"]
+INCLUDED_RUNTIME = [
+    "model.layers.93.mlp.gate_up_proj",
+    "model.layers.97.mlp.down_proj",
+    "model.layers.95.self_attn.o_proj",
+    "model.layers.94.self_attn.q_b_proj",
+    "model.context_proj",
+]
+IGNORED_RUNTIME = [
+    "model.layers.93.self_attn.fused_qkv_a_proj",
+    "model.layers.96.self_attn.kv_b_proj",
+    "model.markov_head.markov_w2",
+    "model.confidence_head.proj",
+    "model.embed_tokens",
+]
 
 
 @pytest.mark.vllm_api
 def test_vllm_loads_the_fp8_config_as_w8a16_at_runtime_names(vllm_config_of) -> None:
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
-    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A16Fp8
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsW8A16Fp8,
+    )
 
     vllm_config = vllm_config_of("fp8")
     quant_config = vllm_config.quant_config

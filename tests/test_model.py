@@ -47,7 +47,7 @@ def served(tiny_mla_target: Path, tiny_checkpoint: Path) -> Served:
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint: Path):
-    from vllm_dspark.reference import ReferenceDrafter
+    from vllm_dspark.reference.drafter import ReferenceDrafter
 
     return ReferenceDrafter.from_pretrained(tiny_checkpoint)
 
@@ -59,7 +59,7 @@ def served_skewed(tiny_mla_target: Path, skewed_checkpoint: Path) -> Served:
 
 @pytest.fixture(scope="module")
 def reference_skewed(skewed_checkpoint: Path):
-    from vllm_dspark.reference import ReferenceDrafter
+    from vllm_dspark.reference.drafter import ReferenceDrafter
 
     return ReferenceDrafter.from_pretrained(skewed_checkpoint)
 
@@ -86,7 +86,11 @@ def _checkpoint_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def test_built_by_vllm_dspark_loader_with_target_numbering_and_shared_heads(served: Served) -> None:
-    from vllm.model_executor.layers.linear import LinearBase, ReplicatedLinear, UnquantizedLinearMethod
+    from vllm.model_executor.layers.linear import (
+        LinearBase,
+        ReplicatedLinear,
+        UnquantizedLinearMethod,
+    )
     from vllm.model_executor.models.registry import ModelRegistry
 
     from vllm_dspark.attention import TorchLatentAttention
@@ -94,11 +98,17 @@ def test_built_by_vllm_dspark_loader_with_target_numbering_and_shared_heads(serv
 
     model, target = served.model, served.target
     draft_config = served.vllm_config.speculative_config.draft_model_config
-    assert ModelRegistry.resolve_model_cls(draft_config.architectures, draft_config)[0] is K3DSparkForCausalLM
+    assert (
+        ModelRegistry.resolve_model_cls(draft_config.architectures, draft_config)[0]
+        is K3DSparkForCausalLM
+    )
     assert type(model) is K3DSparkForCausalLM
 
     # Draft layers are numbered after the target's 8 layers.
-    assert model.get_draft_kv_cache_layer_names() == ["model.layers.8.self_attn", "model.layers.9.self_attn"]
+    assert model.get_draft_kv_cache_layer_names() == [
+        "model.layers.8.self_attn",
+        "model.layers.9.self_attn",
+    ]
     assert model.model.context_kv_proj.prefix == "model.layers.8.self_attn.fused_qkv_a_proj"
     # The CPU stand-in for the Kimi-K3 MLA layer (see the module docstring).
     assert all(isinstance(layer.self_attn, TorchLatentAttention) for layer in model.model.layers)
@@ -130,43 +140,63 @@ def test_every_hook_matches_the_fp32_reference(served: Served, reference) -> Non
     assert_hooks_match_reference(served, reference, **FP32_TOL)
 
 
-def test_skewed_drafter_at_a_long_context_matches_the_fp32_reference(served_skewed: Served, reference_skewed) -> None:
+def test_skewed_drafter_at_a_long_context_matches_the_fp32_reference(
+    served_skewed: Served, reference_skewed
+) -> None:
     config = served_skewed.model.config
     rope = config.rope_parameters
     assert config.logit_scale != 1.0 and rope["mscale"] != rope["mscale_all_dim"]
     batch = make_batch(config, **LONG_CONTEXT)
-    assert int(batch.block_positions(config.block_size).min(dim=1).values[1]) > rope["original_max_position_embeddings"]
+    assert (
+        int(batch.block_positions(config.block_size).min(dim=1).values[1])
+        > rope["original_max_position_embeddings"]
+    )
     assert_hooks_match_reference(served_skewed, reference_skewed, batch=batch, **FP32_TOL)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("drafter", ["tiny", "skewed-long-context"])
-def test_drafted_block_matches_the_reference_draft(request, drafter: str, temperature: float) -> None:
+def test_drafted_block_matches_the_reference_draft(
+    request, drafter: str, temperature: float
+) -> None:
     """One speculator step end to end (hooks + the shared Markov rollout) drafts the reference's tokens."""
-    from vllm_dspark.sampling import markov_rollout
+    from vllm_dspark.ops.sampling import markov_rollout
 
     if drafter == "tiny":
         served, reference = request.getfixturevalue("served"), request.getfixturevalue("reference")
         batch = make_batch(served.model.config, seed=1)
     else:
-        served, reference = request.getfixturevalue("served_skewed"), request.getfixturevalue("reference_skewed")
+        served, reference = (
+            request.getfixturevalue("served_skewed"),
+            request.getfixturevalue("reference_skewed"),
+        )
         batch = make_batch(served.model.config, seed=1, **LONG_CONTEXT)
     model, config = served.model, served.model.config
     bind_caches(model, batch, torch.float32)
-    model.precompute_and_store_context_kv(model.combine_hidden_states(batch.aux), batch.context_positions,
-                                          batch.context_slots)
+    model.precompute_and_store_context_kv(
+        model.combine_hidden_states(batch.aux), batch.context_positions, batch.context_slots
+    )
     hidden = run_block(served, batch)
     num_requests, n = len(batch.context_lens), config.block_size
     seeds = torch.tensor([11, 12])
     block_positions = batch.block_positions(n)
-    rollout = markov_rollout(model.compute_draft_logits(hidden).view(num_requests, n, -1), batch.anchors,
-                             model.markov_embed, model.markov_bias, temperature=temperature, seeds=seeds,
-                             positions=block_positions)
-    confidence = model.compute_confidence(hidden, rollout.markov_embeds.flatten(0, 1)).view(num_requests, n)
+    rollout = markov_rollout(
+        model.compute_draft_logits(hidden).view(num_requests, n, -1),
+        batch.anchors,
+        model.markov_embed,
+        model.markov_bias,
+        temperature=temperature,
+        seeds=seeds,
+        positions=block_positions,
+    )
+    confidence = model.compute_confidence(hidden, rollout.markov_embeds.flatten(0, 1)).view(
+        num_requests, n
+    )
 
     aux, positions, mask = batch.padded_context()
-    expected = reference.draft(aux, positions, batch.anchors, temperature=temperature, seeds=seeds,
-                               context_mask=mask)
+    expected = reference.draft(
+        aux, positions, batch.anchors, temperature=temperature, seeds=seeds, context_mask=mask
+    )
     assert torch.equal(expected.block_positions, block_positions)
     assert torch.equal(rollout.tokens, expected.tokens)
     torch.testing.assert_close(rollout.logits, expected.logits, **FP32_TOL)
@@ -198,26 +228,47 @@ def test_context_kv_slot_mapping_forms(served: Served, reference) -> None:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda t: t.update({"layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)}),
-         r"checkpoint tensor 'layers\.0\.mlp\.extra_proj\.weight' belongs to no module of this drafter"),
-        (lambda t: t.update({"layers.1.mlp.down_proj.bias": torch.zeros(64)}),
-         r"'layers\.1\.mlp\.down_proj\.bias' has no parameter 'model\.layers\.1\.mlp\.down_proj\.bias': "
-         r"layers\.1\.mlp\.down_proj has no 'bias'"),
-        (lambda t: t.update({"context_proj.weight_scale": torch.ones(64, 1)}),
-         r"'context_proj\.weight_scale' has no parameter .*stores context_proj quantized, but its "
-         r"quantization_config does not quantize it"),
-        (lambda t: t.pop("layers.1.mlp.down_proj.weight"),
-         r"left these parameters unfilled: model\.layers\.1\.mlp\.down_proj\.weight\."),
-        (lambda t: t.pop("layers.0.mlp.up_proj.weight"),
-         r"unfilled: model\.layers\.0\.mlp\.gate_up_proj\.weight \(missing shards \[1\]\)"),
-        (lambda t: t.pop("layers.1.self_attn.kv_a_proj_with_mqa.weight"),
-         r"unfilled: model\.layers\.1\.self_attn\.fused_qkv_a_proj\.weight \(missing shards \[1\]\), "
-         r"model\.context_kv_proj\.weight \(missing shards \[1\]\)"),
-        (lambda t: t.update({"final_norm.weight": torch.ones(65)}),
-         r"'final_norm\.weight' \(torch\.float32, \(65,\)\) does not fit parameter 'model\.final_norm\.weight'"),
+        (
+            lambda t: t.update({"layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)}),
+            r"checkpoint tensor 'layers\.0\.mlp\.extra_proj\.weight' belongs to no module of this drafter",
+        ),
+        (
+            lambda t: t.update({"layers.1.mlp.down_proj.bias": torch.zeros(64)}),
+            r"'layers\.1\.mlp\.down_proj\.bias' has no parameter 'model\.layers\.1\.mlp\.down_proj\.bias': "
+            r"layers\.1\.mlp\.down_proj has no 'bias'",
+        ),
+        (
+            lambda t: t.update({"context_proj.weight_scale": torch.ones(64, 1)}),
+            r"'context_proj\.weight_scale' has no parameter .*stores context_proj quantized, but its "
+            r"quantization_config does not quantize it",
+        ),
+        (
+            lambda t: t.pop("layers.1.mlp.down_proj.weight"),
+            r"left these parameters unfilled: model\.layers\.1\.mlp\.down_proj\.weight\.",
+        ),
+        (
+            lambda t: t.pop("layers.0.mlp.up_proj.weight"),
+            r"unfilled: model\.layers\.0\.mlp\.gate_up_proj\.weight \(missing shards \[1\]\)",
+        ),
+        (
+            lambda t: t.pop("layers.1.self_attn.kv_a_proj_with_mqa.weight"),
+            r"unfilled: model\.layers\.1\.self_attn\.fused_qkv_a_proj\.weight \(missing shards \[1\]\), "
+            r"model\.context_kv_proj\.weight \(missing shards \[1\]\)",
+        ),
+        (
+            lambda t: t.update({"final_norm.weight": torch.ones(65)}),
+            r"'final_norm\.weight' \(torch\.float32, \(65,\)\) does not fit parameter 'model\.final_norm\.weight'",
+        ),
     ],
-    ids=["unknown-module", "unknown-param", "quantized-tensor", "missing", "missing-shard",
-         "missing-stacked-shard", "wrong-shape"],
+    ids=[
+        "unknown-module",
+        "unknown-param",
+        "quantized-tensor",
+        "missing",
+        "missing-shard",
+        "missing-stacked-shard",
+        "wrong-shape",
+    ],
 )
 def test_loading_is_strict(served: Served, tiny_checkpoint: Path, edit, message: str) -> None:
     tensors = {k: v.float() for k, v in _checkpoint_tensors(tiny_checkpoint).items()}
@@ -235,19 +286,25 @@ def test_loading_fills_every_parameter_once(served: Served, tiny_checkpoint: Pat
     assert _fresh_model(served).load_weights(iter(tensors.items())) == loaded
 
 
-def test_target_of_another_depth_is_refused(tmp_path: Path, tiny_mla_target: Path, tiny_checkpoint: Path) -> None:
+def test_target_of_another_depth_is_refused(
+    tmp_path: Path, tiny_mla_target: Path, tiny_checkpoint: Path
+) -> None:
     deeper = tmp_path / "target9"
     deeper.mkdir()
     config = json.loads((tiny_mla_target / "config.json").read_text())
     (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 9}))
-    with pytest.raises(ValueError, match=r"made for a 8-layer target .* but the target has 9 layers"):
+    with pytest.raises(
+        ValueError, match=r"made for a 8-layer target .* but the target has 9 layers"
+    ):
         load_drafter(deeper, tiny_checkpoint)
 
 
 def test_not_a_standalone_model() -> None:
     from vllm_dspark.model import K3DSparkForCausalLM
 
-    with pytest.raises(ValueError, match=r"speculative drafter, not a standalone model.*method': 'dspark'"):
+    with pytest.raises(
+        ValueError, match=r"speculative drafter, not a standalone model.*method': 'dspark'"
+    ):
         K3DSparkForCausalLM(vllm_config=SimpleNamespace(speculative_config=None))
 
 
@@ -262,9 +319,21 @@ def test_gpu_attention_layer_accepts_what_the_drafter_passes() -> None:
     from vllm_dspark.attention_cuda import K3DSparkMLA
 
     params = inspect.signature(MultiHeadLatentAttention.__init__).parameters
-    passed = {"config", "hidden_size", "num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-              "q_lora_rank", "kv_lora_rank", "cache_config", "quant_config", "prefix", "use_rope",
-              "non_causal_multi_token_decode"}
+    passed = {
+        "config",
+        "hidden_size",
+        "num_heads",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "cache_config",
+        "quant_config",
+        "prefix",
+        "use_rope",
+        "non_causal_multi_token_decode",
+    }
     assert passed <= set(params)
     assert issubclass(K3DSparkMLA, MultiHeadLatentAttention)
     assert {name for name in vars(K3DSparkMLA) if not name.startswith("_")} == {"store_latent"}

@@ -28,9 +28,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = (
-    "vllm_dspark.rope.*",
-    "vllm_dspark.sampling.x_markov_rollout__mutmut_*",
-    "vllm_dspark.sampling.x_sample_tokens__mutmut_*",
+    "vllm_dspark.ops.rope.*",
+    "vllm_dspark.ops.sampling.x_markov_rollout__mutmut_*",
+    "vllm_dspark.ops.sampling.x_sample_tokens__mutmut_*",
     "vllm_dspark.doctor.x_check_num_speculative_tokens__mutmut_*",
     "vllm_dspark.doctor.x__block_size__mutmut_*",
     "vllm_dspark.drift.harness.x_batches__mutmut_*",
@@ -72,4 +72,6 @@ def test_mutation_check(tmp_path: Path) -> None:
     stated = README_FIGURE.search((ROOT / "README.md").read_text())
     assert stated, "README.md must state the mutation check's figure as 'kills **K of N** mutants'"
     assert total == int(stated[2]), f"{total} mutants now, the README states {stated[2]}: update it"
-    assert killed >= int(stated[1]), f"{killed} of {total} killed, fewer than the README's {stated[1]}"
+    assert killed >= int(stated[1]), (
+        f"{killed} of {total} killed, fewer than the README's {stated[1]}"
+    )

@@ -62,29 +62,39 @@ def test_supported_vllm_versions_pass(version: str) -> None:
 
 @pytest.mark.parametrize("version", ["0.31.9", "0.34.0", "1.0.0", "not-a-version"])
 def test_unsupported_vllm_version_stops_with_a_clear_error(version: str) -> None:
-    with pytest.raises(RuntimeError, match=rf"supports vLLM >=0.32.0,<0.34.*{version}.*is installed"):
+    with pytest.raises(
+        RuntimeError, match=rf"supports vLLM >=0.32.0,<0.34.*{version}.*is installed"
+    ):
         vllm_dspark.check_vllm_version(version)
 
 
-def test_speculative_config_of_a_drafter_directory_resolves_to_this_package(tmp_path, tiny_mla_target) -> None:
+def test_speculative_config_of_a_drafter_directory_resolves_to_this_package(
+    tmp_path, tiny_mla_target
+) -> None:
     """A real vLLM SpeculativeConfig (method dspark) built from a local drafter directory."""
     from vllm.config import SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models.registry import ModelRegistry
 
+    from vllm_dspark.checkpoint.presets import preset_config_json
     from vllm_dspark.config import K3DSparkConfig
     from vllm_dspark.model import K3DSparkForCausalLM
-    from vllm_dspark.presets import preset_config_json
 
     drafter = tmp_path / "drafter"
     drafter.mkdir()
     (drafter / "config.json").write_text(json.dumps(preset_config_json("tiny")))
-    target = EngineArgs(model=str(tiny_mla_target), skip_tokenizer_init=True, max_model_len=256,
-                        enforce_eager=True).create_model_config()
+    target = EngineArgs(
+        model=str(tiny_mla_target), skip_tokenizer_init=True, max_model_len=256, enforce_eager=True
+    ).create_model_config()
     from vllm.config import ParallelConfig
 
-    spec = SpeculativeConfig(method="dspark", model=str(drafter), num_speculative_tokens=7,
-                             target_model_config=target, target_parallel_config=ParallelConfig())
+    spec = SpeculativeConfig(
+        method="dspark",
+        model=str(drafter),
+        num_speculative_tokens=7,
+        target_model_config=target,
+        target_parallel_config=ParallelConfig(),
+    )
     draft = spec.draft_model_config
     assert type(draft.hf_config) is K3DSparkConfig
     assert draft.architectures == ["K3DSparkModel"]

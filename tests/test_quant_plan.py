@@ -18,11 +18,17 @@ from _encodings import REFUSED, SERVED, WARNED, encoded
 from _vllm_drafter import load_drafter
 from safetensors.torch import save_file
 
-from vllm_dspark import doctor, quant_plan
-from vllm_dspark.check import check_checkpoint
-from vllm_dspark.checkpoint import load_config, load_drafter_state_dict
-from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules, runtime_name, tensor_shapes
-from vllm_dspark.quantize import quantize_checkpoint
+from vllm_dspark import doctor
+from vllm_dspark.checkpoint import quant_plan
+from vllm_dspark.checkpoint.check import check_checkpoint
+from vllm_dspark.checkpoint.layout import (
+    FP8_RECIPE,
+    checkpoint_modules,
+    runtime_name,
+    tensor_shapes,
+)
+from vllm_dspark.checkpoint.quantize import quantize_checkpoint
+from vllm_dspark.checkpoint.store import load_config, load_drafter_state_dict
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -46,7 +52,9 @@ def encodings(tmp_path_factory: pytest.TempPathFactory, builds: dict[str, Path])
     def get(fmt: str, name: str) -> Path:
         if (fmt, name) not in made:
             encoding = {**SERVED, **WARNED, **{k: v for k, (v, _) in REFUSED.items()}}[name]
-            made[fmt, name] = encoded(builds[fmt], root / f"{fmt}-{name}", encoding, list(FP8_RECIPE))
+            made[fmt, name] = encoded(
+                builds[fmt], root / f"{fmt}-{name}", encoding, list(FP8_RECIPE)
+            )
         return made[fmt, name]
 
     return get
@@ -60,7 +68,7 @@ def _doctor(model_dir: Path) -> list[doctor.Finding]:
     return doctor.check_checkpoint_findings(model_dir)
 
 
-# --- served and warned: check, doctor, vLLM ------------------------------------------------------
+# ----- served and warned: check, doctor, vLLM -----
 
 
 @pytest.mark.parametrize("name", [*SERVED, *WARNED])
@@ -86,20 +94,31 @@ def test_vllm_serves_every_servable_encoding_with_fp8_on_exactly_the_recipe(
     encodings, tiny_mla_target: Path, name: str
 ) -> None:
     from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A16Fp8
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsW8A16Fp8,
+    )
 
     served = load_drafter(tiny_mla_target, encodings("fp8", name))
     model = served.model
-    fp8 = {n for n, m in model.named_modules()
-           if isinstance(m, LinearBase) and isinstance(getattr(m, "scheme", None), CompressedTensorsW8A16Fp8)}
+    fp8 = {
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, LinearBase)
+        and isinstance(getattr(m, "scheme", None), CompressedTensorsW8A16Fp8)
+    }
     # Module-tree names (the prefixes vLLM matched carry the runtime layer numbers 8 and 9).
-    assert fp8 == {"model.context_proj"} | {f"model.layers.{i}.{kind}"
-                                            for i in range(model.config.num_hidden_layers) for kind in RECIPE_RUNTIME}
-    assert model.quant_config.ignore == []  # one normalized config: exact runtime names, nothing to ignore
+    assert fp8 == {"model.context_proj"} | {
+        f"model.layers.{i}.{kind}"
+        for i in range(model.config.num_hidden_layers)
+        for kind in RECIPE_RUNTIME
+    }
+    assert (
+        model.quant_config.ignore == []
+    )  # one normalized config: exact runtime names, nothing to ignore
     assert (model._quant_plan.warning is not None) == (name in WARNED)
 
 
-# --- refused: the same one line from all three ---------------------------------------------------
+# ----- refused: the same one line from all three -----
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
@@ -114,7 +133,10 @@ def test_conflicting_encodings_are_refused_by_check_doctor_and_vllm_alike(
 
     assert check_checkpoint(model_dir).problems[0] == message
     problem, _, fix = message.partition(" Fix: ")
-    assert [(f.problem, f.fix) for f in _doctor(model_dir) if f.severity == "error"][0] == (problem.rstrip("."), fix)
+    assert [(f.problem, f.fix) for f in _doctor(model_dir) if f.severity == "error"][0] == (
+        problem.rstrip("."),
+        fix,
+    )
     with pytest.raises(ValueError, match="K3 DSpark drafter") as e:
         load_drafter(tiny_mla_target, model_dir)
     assert message in str(e.value)
@@ -123,33 +145,59 @@ def test_conflicting_encodings_are_refused_by_check_doctor_and_vllm_alike(
     assert message in str(e.value)
 
 
-def test_serve_time_hook_refuses_a_conflicting_build_before_the_target_loads(encodings, tiny_mla_target: Path) -> None:
+def test_serve_time_hook_refuses_a_conflicting_build_before_the_target_loads(
+    encodings, tiny_mla_target: Path
+) -> None:
     from vllm.config import ParallelConfig
     from vllm.engine.arg_utils import EngineArgs
 
     model_dir = encodings("fp8", "quantizes-bf16")
-    args = EngineArgs(model=str(tiny_mla_target), skip_tokenizer_init=True, max_model_len=256,
-                      speculative_config={"method": "dspark", "model": str(model_dir),
-                                          "attention_backend": "TRITON_MLA"})
+    args = EngineArgs(
+        model=str(tiny_mla_target),
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        speculative_config={
+            "method": "dspark",
+            "model": str(model_dir),
+            "attention_backend": "TRITON_MLA",
+        },
+    )
     with pytest.raises(ValueError, match="vllm_dspark doctor") as e:
         args.create_speculative_config(args.create_model_config(), ParallelConfig())
-    assert check_checkpoint(model_dir).problems[0].partition(" Fix: ")[0].rstrip(".") in str(e.value)
+    assert check_checkpoint(model_dir).problems[0].partition(" Fix: ")[0].rstrip(".") in str(
+        e.value
+    )
     # A servable encoding of the same tensors goes through, warning included.
-    ok = EngineArgs(model=str(tiny_mla_target), skip_tokenizer_init=True, max_model_len=256,
-                    speculative_config={"method": "dspark", "model": str(encodings("fp8", "include-layer-suffixes")),
-                                        "attention_backend": "TRITON_MLA"})
-    assert ok.create_speculative_config(ok.create_model_config(), ParallelConfig()).method == "dspark"
+    ok = EngineArgs(
+        model=str(tiny_mla_target),
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        speculative_config={
+            "method": "dspark",
+            "model": str(encodings("fp8", "include-layer-suffixes")),
+            "attention_backend": "TRITON_MLA",
+        },
+    )
+    assert (
+        ok.create_speculative_config(ok.create_model_config(), ParallelConfig()).method == "dspark"
+    )
 
 
-# --- MXFP4 and NVFP4 builds ----------------------------------------------------------------------
+# ----- MXFP4 and NVFP4 builds -----
 
 
 @pytest.mark.vllm_api
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("name", ["literal", "runtime-index", "linear-class", "include-layer-suffixes"])
-def test_4bit_builds_resolve_to_the_recipe_at_vllm_runtime_names(encodings, fmt: str, name: str) -> None:
+@pytest.mark.parametrize(
+    "name", ["literal", "runtime-index", "linear-class", "include-layer-suffixes"]
+)
+def test_4bit_builds_resolve_to_the_recipe_at_vllm_runtime_names(
+    encodings, fmt: str, name: str
+) -> None:
     """vLLM's 4-bit schemes pick a GPU kernel when built, so on CPU this stops at vLLM's scheme lookup."""
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
 
     from vllm_dspark.model import PACKED_MODULES_MAPPING
 
@@ -162,12 +210,20 @@ def test_4bit_builds_resolve_to_the_recipe_at_vllm_runtime_names(encodings, fmt:
     start = config.target_num_hidden_layers
     plan = quant_plan.resolve_checkpoint(model_dir)
     quant_config = CompressedTensorsConfig.from_config(
-        quant_plan.vllm_quantization_config(plan, config, start_layer_id=start))
+        quant_plan.vllm_quantization_config(plan, config, start_layer_id=start)
+    )
     quant_config.packed_modules_mapping = PACKED_MODULES_MAPPING
     is_fmt = quant_config._is_mxfp4 if fmt == "mxfp4" else quant_config._is_nvfp4_format
-    runtime = {f"model.layers.{start + i}.{kind}" for i in range(config.num_hidden_layers)
-               for kind in (*RECIPE_RUNTIME, "self_attn.fused_qkv_a_proj", "self_attn.kv_b_proj")}
-    runtime |= {"model.context_proj", "model.confidence_head.proj", f"model.layers.{start}.self_attn.fused_qkv_a_proj"}
+    runtime = {
+        f"model.layers.{start + i}.{kind}"
+        for i in range(config.num_hidden_layers)
+        for kind in (*RECIPE_RUNTIME, "self_attn.fused_qkv_a_proj", "self_attn.kv_b_proj")
+    }
+    runtime |= {
+        "model.context_proj",
+        "model.confidence_head.proj",
+        f"model.layers.{start}.self_attn.fused_qkv_a_proj",
+    }
     layer = torch.nn.Linear(1, 1)
     for layer_name in sorted(runtime):
         scheme = quant_config.get_scheme_dict(layer, layer_name=layer_name)
@@ -175,13 +231,13 @@ def test_4bit_builds_resolve_to_the_recipe_at_vllm_runtime_names(encodings, fmt:
         assert (scheme is not None and is_fmt(scheme["weights"])) == quantized, layer_name
 
 
-# --- the resolver on its own ---------------------------------------------------------------------
+# ----- the resolver on its own -----
 
 
 def _dtypes(config, stored: dict[str, str]) -> dict[str, str]:
     """Header dtypes of a build of ``config`` whose modules ``stored`` ({module: fmt}) are quantized."""
-    from vllm_dspark import formats
-    from vllm_dspark.st_io import SAFETENSORS_DTYPES
+    from vllm_dspark.checkpoint import formats
+    from vllm_dspark.checkpoint.st_io import SAFETENSORS_DTYPES
 
     out = {}
     for spec in checkpoint_modules(config):
@@ -189,8 +245,10 @@ def _dtypes(config, stored: dict[str, str]) -> dict[str, str]:
         if fmt is None:
             out[f"{spec.name}.weight"] = "BF16"
         else:
-            out |= {f"{spec.name}.{s}": SAFETENSORS_DTYPES[t.dtype]
-                    for s, t in formats.get(fmt).tensor_specs(spec.shape).items()}
+            out |= {
+                f"{spec.name}.{s}": SAFETENSORS_DTYPES[t.dtype]
+                for s, t in formats.get(fmt).tensor_specs(spec.shape).items()
+            }
         if spec.bias:
             out[f"{spec.name}.bias"] = "BF16"
     return out
@@ -218,41 +276,76 @@ def test_the_quantizers_own_encoding_is_served_as_is(tiny_fp8) -> None:
     assert plan.modules == recipe and plan.warning is None and plan.stray == ()
 
 
-@pytest.mark.parametrize(("entry", "rewrite"), [
-    ("*.mlp.down_proj", r"re:.*\.mlp\.down_proj$"),
-    (r"re:mlp\.down_proj$", r"re:.*mlp\.down_proj$"),
-    ("down_proj", r"re:(.*\.)?down_proj$"),
-])
-def test_globs_unanchored_regexes_and_suffixes_are_served_with_their_rewrite(tiny_fp8, entry: str,
-                                                                             rewrite: str) -> None:
+@pytest.mark.parametrize(
+    ("entry", "rewrite"),
+    [
+        ("*.mlp.down_proj", r"re:.*\.mlp\.down_proj$"),
+        (r"re:mlp\.down_proj$", r"re:.*mlp\.down_proj$"),
+        ("down_proj", r"re:(.*\.)?down_proj$"),
+    ],
+)
+def test_globs_unanchored_regexes_and_suffixes_are_served_with_their_rewrite(
+    tiny_fp8, entry: str, rewrite: str
+) -> None:
     config, qc, recipe = tiny_fp8
     targets = [t for t in qc["config_groups"]["group_0"]["targets"] if "down_proj" not in t]
     plan = quant_plan.resolve(config, _with_targets(qc, [*targets, entry]), _dtypes(config, recipe))
     assert plan.modules == recipe
     assert f"{json.dumps(entry)} -> {json.dumps(rewrite)}" in plan.warning
     # The rewrite is read by compressed-tensors' rules as meant: no warning any more.
-    assert quant_plan.resolve(config, _with_targets(qc, [*targets, rewrite]), _dtypes(config, recipe)).warning is None
+    assert (
+        quant_plan.resolve(
+            config, _with_targets(qc, [*targets, rewrite]), _dtypes(config, recipe)
+        ).warning
+        is None
+    )
 
 
 def test_fused_layer_names_match_their_checkpoint_modules(tiny_fp8) -> None:
     config, qc, recipe = tiny_fp8
-    targets = ["re:.*gate_up_proj$", "re:.*down_proj$", "re:.*o_proj$", "re:.*q_b_proj$", "model.context_proj"]
-    plan = quant_plan.resolve(config, _with_targets(qc, targets, ["re:.*norm$"]), _dtypes(config, recipe))
+    targets = [
+        "re:.*gate_up_proj$",
+        "re:.*down_proj$",
+        "re:.*o_proj$",
+        "re:.*q_b_proj$",
+        "model.context_proj",
+    ]
+    plan = quant_plan.resolve(
+        config, _with_targets(qc, targets, ["re:.*norm$"]), _dtypes(config, recipe)
+    )
     assert plan.modules == recipe
     # context_kv_proj names every layer's kv_a_proj_with_mqa, which is stored BF16: a conflict.
-    with pytest.raises(quant_plan.QuantPlanError, match=r"layers\.0\.self_attn\.kv_a_proj_with_mqa is stored BF16, "
-                       r"but quantization_config quantizes it as fp8 \(target 'context_kv_proj'\)"):
-        quant_plan.resolve(config, _with_targets(qc, [*targets, "context_kv_proj"], []), _dtypes(config, recipe))
+    with pytest.raises(
+        quant_plan.QuantPlanError,
+        match=r"layers\.0\.self_attn\.kv_a_proj_with_mqa is stored BF16, "
+        r"but quantization_config quantizes it as fp8 \(target 'context_kv_proj'\)",
+    ):
+        quant_plan.resolve(
+            config, _with_targets(qc, [*targets, "context_kv_proj"], []), _dtypes(config, recipe)
+        )
 
 
-@pytest.mark.parametrize(("stored", "message"), [
-    ({"layers.0.mlp.gate_proj": "fp8"}, r"layers\.0\.mlp\.gate_up_proj: the shards store layers\.0\.mlp\.gate_proj as "
-                                        r"fp8, layers\.0\.mlp\.up_proj as BF16, but vLLM fuses them into one layer"),
-    ({"layers.0.self_attn.q_a_proj": "fp8", "layers.0.self_attn.kv_a_proj_with_mqa": "fp8"},
-     r"self_attn\.fused_qkv_a_proj: .* \(context_kv_proj stacks every layer's kv_a_proj_with_mqa\)"),
-    ({"markov_head.markov_w2": "fp8"}, r"markov_head\.markov_w2 is stored as fp8, but the Markov head's bias"),
-])
-def test_storage_no_config_can_serve_is_refused(tiny_fp8, stored: dict[str, str], message: str) -> None:
+@pytest.mark.parametrize(
+    ("stored", "message"),
+    [
+        (
+            {"layers.0.mlp.gate_proj": "fp8"},
+            r"layers\.0\.mlp\.gate_up_proj: the shards store layers\.0\.mlp\.gate_proj as "
+            r"fp8, layers\.0\.mlp\.up_proj as BF16, but vLLM fuses them into one layer",
+        ),
+        (
+            {"layers.0.self_attn.q_a_proj": "fp8", "layers.0.self_attn.kv_a_proj_with_mqa": "fp8"},
+            r"self_attn\.fused_qkv_a_proj: .* \(context_kv_proj stacks every layer's kv_a_proj_with_mqa\)",
+        ),
+        (
+            {"markov_head.markov_w2": "fp8"},
+            r"markov_head\.markov_w2 is stored as fp8, but the Markov head's bias",
+        ),
+    ],
+)
+def test_storage_no_config_can_serve_is_refused(
+    tiny_fp8, stored: dict[str, str], message: str
+) -> None:
     config, qc, _ = tiny_fp8
     with pytest.raises(quant_plan.QuantPlanError, match=message):
         quant_plan.resolve(config, _with_targets(qc, ["Linear"], []), _dtypes(config, stored))
@@ -261,11 +354,17 @@ def test_storage_no_config_can_serve_is_refused(tiny_fp8, stored: dict[str, str]
 def test_format_and_missing_config_conflicts(tiny_fp8) -> None:
     config, qc, recipe = tiny_fp8
     mxfp4 = dict.fromkeys(recipe, "mxfp4")
-    with pytest.raises(quant_plan.QuantPlanError, match=r"context_proj is stored as mxfp4, but quantization_config "
-                       r"says fp8 .* \(and 10 more module\(s\)\)"):
+    with pytest.raises(
+        quant_plan.QuantPlanError,
+        match=r"context_proj is stored as mxfp4, but quantization_config "
+        r"says fp8 .* \(and 10 more module\(s\)\)",
+    ):
         quant_plan.resolve(config, qc, _dtypes(config, mxfp4))
-    with pytest.raises(quant_plan.QuantPlanError, match=r"context_proj is stored as fp8 \(11 quantized modules\), but "
-                       "config.json has no quantization_config"):
+    with pytest.raises(
+        quant_plan.QuantPlanError,
+        match=r"context_proj is stored as fp8 \(11 quantized modules\), but "
+        "config.json has no quantization_config",
+    ):
         quant_plan.resolve(config, None, _dtypes(config, recipe))
     assert quant_plan.resolve(config, None, _dtypes(config, {})).modules == {}
 
@@ -278,10 +377,13 @@ def test_normalized_config_names_runtime_modules(tiny_fp8) -> None:
     specs = [s for s in checkpoint_modules(config) if s.name in recipe]
     assert group["targets"] == [runtime_name(s, 93) for s in specs] and normalized["ignore"] == []
     assert "model.layers.94.mlp.up_proj" in group["targets"]
-    assert quant_plan.vllm_quantization_config(quant_plan.QuantPlan(), config, start_layer_id=93) is None
+    assert (
+        quant_plan.vllm_quantization_config(quant_plan.QuantPlan(), config, start_layer_id=93)
+        is None
+    )
 
 
-# --- stray tensors ---------------------------------------------------------------------------------
+# ----- stray tensors -----
 
 
 def test_stray_lm_head_and_disabled_confidence_head_are_skipped_with_one_warning(
@@ -294,7 +396,11 @@ def test_stray_lm_head_and_disabled_confidence_head_are_skipped_with_one_warning
     config["enable_confidence_head"] = config["confidence_head_with_markov"] = False
     (model_dir / "config.json").write_text(json.dumps(config))
     lm_head = torch.zeros(config["vocab_size"], config["hidden_size"], dtype=torch.bfloat16)
-    save_file({"lm_head.weight": lm_head}, model_dir / "model-extra.safetensors", metadata={"format": "pt"})
+    save_file(
+        {"lm_head.weight": lm_head},
+        model_dir / "model-extra.safetensors",
+        metadata={"format": "pt"},
+    )
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())
     index["weight_map"]["lm_head.weight"] = "model-extra.safetensors"
     (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -302,8 +408,10 @@ def test_stray_lm_head_and_disabled_confidence_head_are_skipped_with_one_warning
     report = check_checkpoint(model_dir)
     assert report.ok, report.problems
     (warning,) = report.warnings
-    assert "skipping 3 stored tensor(s) the drafter does not use (confidence_head.proj.bias, " \
-           "confidence_head.proj.weight, lm_head.weight)" in warning
+    assert (
+        "skipping 3 stored tensor(s) the drafter does not use (confidence_head.proj.bias, "
+        "confidence_head.proj.weight, lm_head.weight)" in warning
+    )
     loaded_config, state_dict = load_drafter_state_dict(model_dir)
     assert set(state_dict) == set(tensor_shapes(loaded_config))
     served = load_drafter(tiny_mla_target, model_dir)
@@ -316,6 +424,11 @@ def test_eval_reads_builds_through_the_resolver(encodings, builds, tiny_checkpoi
     with pytest.raises(ValueError, match="is quantized; --model must be the unquantized drafter"):
         load_reference(EvalSpec(model=str(encodings("fp8", "linear-class"))))
     config, reference, heads = load_reference(EvalSpec(model=str(tiny_checkpoint)))
-    _, source = load_variant(str(encodings("fp8", "include-layer-suffixes")), EvalSpec(model=str(tiny_checkpoint)),
-                             config, heads, reference)
+    _, source = load_variant(
+        str(encodings("fp8", "include-layer-suffixes")),
+        EvalSpec(model=str(tiny_checkpoint)),
+        config,
+        heads,
+        reference,
+    )
     assert "(quantized: fp8), in BF16" in source

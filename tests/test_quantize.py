@@ -11,13 +11,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_dspark import cli, formats
-from vllm_dspark.check import check_checkpoint
-from vllm_dspark.checkpoint import load_config
-from vllm_dspark.layout import FP8_RECIPE, QUANTIZABLE_KINDS
-from vllm_dspark.make_random import make_random
-from vllm_dspark.quant_plan import declared
-from vllm_dspark.quantize import REPORT_NAME, main, quantize_checkpoint
+from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint.check import check_checkpoint
+from vllm_dspark.checkpoint.layout import FP8_RECIPE, QUANTIZABLE_KINDS
+from vllm_dspark.checkpoint.make_random import make_random
+from vllm_dspark.checkpoint.quant_plan import declared
+from vllm_dspark.checkpoint.quantize import REPORT_NAME, main, quantize_checkpoint
+from vllm_dspark.checkpoint.store import load_config
+from vllm_dspark.tools import cli
 
 
 def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -31,7 +32,11 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    )
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -40,11 +45,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def drafters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("drafters")
-    return {preset: make_random(root / preset, preset, seed=1, progress=False) for preset in ("tiny", "small")}
+    return {
+        preset: make_random(root / preset, preset, seed=1, progress=False)
+        for preset in ("tiny", "small")
+    }
 
 
 @pytest.fixture(scope="module")
-def quantized(drafters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+def quantized(
+    drafters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[str, str], Path]:
     root = tmp_path_factory.mktemp("quantized")
     out = {}
     for preset, model_dir in drafters.items():
@@ -61,7 +71,9 @@ def test_each_format_round_trips_with_snr_in_the_report(drafters, quantized, pre
     for fmt in formats.names():
         out_dir = quantized[preset, fmt]
         report = json.loads((out_dir / f"{REPORT_NAME}.json").read_text())
-        assert f"| {report['modules'][0]['module']} |" in (out_dir / f"{REPORT_NAME}.md").read_text()
+        assert (
+            f"| {report['modules'][0]['module']} |" in (out_dir / f"{REPORT_NAME}.md").read_text()
+        )
         written = _tensors(out_dir)
         qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
         modules = declared(load_config(out_dir), qc)
@@ -70,16 +82,23 @@ def test_each_format_round_trips_with_snr_in_the_report(drafters, quantized, pre
             name = row["module"]
             assert modules[name] == fmt
             weight = source[f"{name}.weight"]
-            parts = {s: written[f"{name}.{s}"] for s in formats.get(fmt).tensor_specs(tuple(weight.shape))}
+            parts = {
+                s: written[f"{name}.{s}"]
+                for s in formats.get(fmt).tensor_specs(tuple(weight.shape))
+            }
             # The report's SNR is what compressed-tensors' own decompression of the written tensors gives.
             restored = formats.dequantize_weight(parts, fmt, tuple(weight.shape))
             noise = (restored - weight.float()).double().square().sum()
-            assert row["snr_db"] == pytest.approx(10 * torch.log10(weight.double().square().sum() / noise).item(), abs=0.01)
+            assert row["snr_db"] == pytest.approx(
+                10 * torch.log10(weight.double().square().sum() / noise).item(), abs=0.01
+            )
         # Everything not quantized is copied bit-identical.
         for key, tensor in source.items():
             if key.removesuffix(".weight") not in modules:
                 assert _same_bytes(written[key], tensor), key
-        assert report["overall"]["bytes_after"] == sum(t.numel() * t.element_size() for t in written.values())
+        assert report["overall"]["bytes_after"] == sum(
+            t.numel() * t.element_size() for t in written.values()
+        )
         assert check_checkpoint(out_dir).ok
         snr[fmt] = report["overall"]["snr_db_mean"]
     assert snr["fp8"] > 30
@@ -93,7 +112,9 @@ def test_output_is_a_complete_checkpoint(drafters, quantized) -> None:
     source_config = json.loads((drafters["small"] / "config.json").read_text())
     assert {k: v for k, v in config.items() if k != "quantization_config"} == source_config
     # The target's shared heads come along unchanged.
-    assert (out_dir / "target" / "model.safetensors").read_bytes() == (drafters["small"] / "target" / "model.safetensors").read_bytes()
+    assert (out_dir / "target" / "model.safetensors").read_bytes() == (
+        drafters["small"] / "target" / "model.safetensors"
+    ).read_bytes()
     report = json.loads((out_dir / f"{REPORT_NAME}.json").read_text())
     assert report["include_layers"] == [k for k in QUANTIZABLE_KINDS if k in FP8_RECIPE]
     assert report["overall"]["bytes_after"] < report["overall"]["bytes_before"]
@@ -113,7 +134,11 @@ def test_nvfp4_fused_modules_share_one_global_scale(drafters, tmp_path: Path) ->
     kinds = ["self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "mlp.gate_proj", "mlp.up_proj"]
     quantize_checkpoint(drafters["tiny"], tmp_path / "out", "nvfp4", kinds, progress=False)
     written = _tensors(tmp_path / "out")
-    gs = {k.removesuffix(".weight_global_scale"): float(v) for k, v in written.items() if k.endswith("global_scale")}
+    gs = {
+        k.removesuffix(".weight_global_scale"): float(v)
+        for k, v in written.items()
+        if k.endswith("global_scale")
+    }
     # q_a and kv_a share one scale across all layers (context_kv_proj stacks every layer's kv_a) ...
     assert len({v for k, v in gs.items() if "_a_proj" in k}) == 1
     # ... gate and up share one per layer.
@@ -130,17 +155,39 @@ def _refused(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
     return err
 
 
-@pytest.mark.parametrize(("layers", "message"), [
-    (["mlp.gate_proj", "mlp.down_proj"], "mlp.gate_proj and mlp.up_proj are fused into mlp.gate_up_proj at runtime and must be quantized together"),
-    (["self_attn.q_a_proj"], "fused into self_attn.fused_qkv_a_proj"),
-    (["mlp.gate", "mlp.up"], "unknown layer name(s) in --include_layers: 'mlp.gate', 'mlp.up'. Layer names are index-agnostic "
-                             f"module kinds; valid ones: {' '.join(QUANTIZABLE_KINDS)}"),
-    (["final_norm"], "'final_norm' cannot be quantized"),
-    (["markov_head.markov_w1"], "'markov_head.markov_w1' cannot be quantized"),
-])
-def test_refuses_bad_include_layers(drafters, tmp_path, capsys, layers: list[str], message: str) -> None:
-    err = _refused(capsys, ["--model_dir", str(drafters["tiny"]), "--output_dir", str(tmp_path / "out"),
-                            "--quant_format", "fp8", "--include_layers", *layers])
+@pytest.mark.parametrize(
+    ("layers", "message"),
+    [
+        (
+            ["mlp.gate_proj", "mlp.down_proj"],
+            "mlp.gate_proj and mlp.up_proj are fused into mlp.gate_up_proj at runtime and must be quantized together",
+        ),
+        (["self_attn.q_a_proj"], "fused into self_attn.fused_qkv_a_proj"),
+        (
+            ["mlp.gate", "mlp.up"],
+            "unknown layer name(s) in --include_layers: 'mlp.gate', 'mlp.up'. Layer names are index-agnostic "
+            f"module kinds; valid ones: {' '.join(QUANTIZABLE_KINDS)}",
+        ),
+        (["final_norm"], "'final_norm' cannot be quantized"),
+        (["markov_head.markov_w1"], "'markov_head.markov_w1' cannot be quantized"),
+    ],
+)
+def test_refuses_bad_include_layers(
+    drafters, tmp_path, capsys, layers: list[str], message: str
+) -> None:
+    err = _refused(
+        capsys,
+        [
+            "--model_dir",
+            str(drafters["tiny"]),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--quant_format",
+            "fp8",
+            "--include_layers",
+            *layers,
+        ],
+    )
     assert message in err
     assert not (tmp_path / "out").exists()
 
@@ -149,7 +196,14 @@ def test_refuses_a_non_empty_output_dir_without_overwrite(drafters, tmp_path, ca
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     (out_dir / "notes.txt").write_text("keep me")
-    argv = ["--model_dir", str(drafters["tiny"]), "--output_dir", str(out_dir), "--quant_format", "fp8"]
+    argv = [
+        "--model_dir",
+        str(drafters["tiny"]),
+        "--output_dir",
+        str(out_dir),
+        "--quant_format",
+        "fp8",
+    ]
     assert "exists and is not empty. Fix: pass --overwrite" in _refused(capsys, argv)
     assert (out_dir / "notes.txt").read_text() == "keep me"
     assert main([*argv, "--overwrite"]) == 0
@@ -157,8 +211,17 @@ def test_refuses_a_non_empty_output_dir_without_overwrite(drafters, tmp_path, ca
 
 
 def test_refuses_to_write_into_its_input(drafters, capsys) -> None:
-    err = _refused(capsys, ["--model_dir", str(drafters["tiny"]), "--output_dir", str(drafters["tiny"] / "fp8"),
-                            "--quant_format", "fp8"])
+    err = _refused(
+        capsys,
+        [
+            "--model_dir",
+            str(drafters["tiny"]),
+            "--output_dir",
+            str(drafters["tiny"] / "fp8"),
+            "--quant_format",
+            "fp8",
+        ],
+    )
     assert f"lies inside the input {drafters['tiny']}" in err
 
 
@@ -171,7 +234,17 @@ def _copy(model_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
 def test_refuses_a_truncated_shard(drafters, tmp_path, capsys) -> None:
     model_dir, shard = _copy(drafters["tiny"], tmp_path)
     shard.write_bytes(shard.read_bytes()[:-1000])
-    err = _refused(capsys, ["--model_dir", str(model_dir), "--output_dir", str(tmp_path / "out"), "--quant_format", "fp8"])
+    err = _refused(
+        capsys,
+        [
+            "--model_dir",
+            str(model_dir),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--quant_format",
+            "fp8",
+        ],
+    )
     assert f"{shard} is not a readable safetensors file" in err and "not fully covered" in err
     assert not (tmp_path / "out").exists()
 
@@ -179,29 +252,74 @@ def test_refuses_a_truncated_shard(drafters, tmp_path, capsys) -> None:
 def test_refuses_a_corrupt_shard(drafters, tmp_path, capsys) -> None:
     model_dir, shard = _copy(drafters["tiny"], tmp_path)
     shard.write_bytes(b"\x00" * 8 + shard.read_bytes()[8:])  # header length zeroed
-    err = _refused(capsys, ["--model_dir", str(model_dir), "--output_dir", str(tmp_path / "out"), "--quant_format", "fp8"])
+    err = _refused(
+        capsys,
+        [
+            "--model_dir",
+            str(model_dir),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--quant_format",
+            "fp8",
+        ],
+    )
     assert f"{shard} is not a readable safetensors file" in err
 
 
 def test_refuses_an_already_quantized_checkpoint(quantized, tmp_path, capsys) -> None:
-    err = _refused(capsys, ["--model_dir", str(quantized["tiny", "fp8"]), "--output_dir", str(tmp_path / "again"),
-                            "--quant_format", "nvfp4"])
-    assert "is already quantized (11 modules stored as fp8, per its quantization_config and tensors)" in err
+    err = _refused(
+        capsys,
+        [
+            "--model_dir",
+            str(quantized["tiny", "fp8"]),
+            "--output_dir",
+            str(tmp_path / "again"),
+            "--quant_format",
+            "nvfp4",
+        ],
+    )
+    assert (
+        "is already quantized (11 modules stored as fp8, per its quantization_config and tensors)"
+        in err
+    )
 
     # Quantized tensors under a config that lost its quantization_config are caught too.
     model_dir, _ = _copy(quantized["tiny", "fp8"], tmp_path)
     config = json.loads((model_dir / "config.json").read_text())
     del config["quantization_config"]
     (model_dir / "config.json").write_text(json.dumps(config))
-    err = _refused(capsys, ["--model_dir", str(model_dir), "--output_dir", str(tmp_path / "again"), "--quant_format", "fp8"])
-    assert "is not a BF16 checkpoint: context_proj is stored as fp8 (11 quantized modules), but config.json has no " \
+    err = _refused(
+        capsys,
+        [
+            "--model_dir",
+            str(model_dir),
+            "--output_dir",
+            str(tmp_path / "again"),
+            "--quant_format",
+            "fp8",
+        ],
+    )
+    assert (
+        "is not a BF16 checkpoint: context_proj is stored as fp8 (11 quantized modules), but config.json has no "
         "quantization_config" in err
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_refuses_cuda_without_a_gpu(drafters, tmp_path, capsys) -> None:
-    err = _refused(capsys, ["--model_dir", str(drafters["tiny"]), "--output_dir", str(tmp_path / "out"),
-                            "--quant_format", "fp8", "--device", "cuda"])
+    err = _refused(
+        capsys,
+        [
+            "--model_dir",
+            str(drafters["tiny"]),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--quant_format",
+            "fp8",
+            "--device",
+            "cuda",
+        ],
+    )
     assert "--device cuda, but torch sees no CUDA device" in err
 
 

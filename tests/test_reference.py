@@ -7,18 +7,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-import vllm_dspark.reference as reference
+import vllm_dspark.reference.drafter as reference
+from vllm_dspark.checkpoint.make_random import random_drafter_tensors, random_lm_head, random_tensor
+from vllm_dspark.checkpoint.presets import preset_config
 from vllm_dspark.config import K3DSparkConfig
-from vllm_dspark.make_random import random_drafter_tensors, random_lm_head, random_tensor
-from vllm_dspark.presets import preset_config
-from vllm_dspark.reference import ReferenceDrafter
-from vllm_dspark.sampling import markov_rollout
+from vllm_dspark.ops.sampling import markov_rollout
+from vllm_dspark.reference.drafter import ReferenceDrafter
 
 
-def build(config: K3DSparkConfig, compute_dtype: torch.dtype = torch.float32, seed: int = 0) -> ReferenceDrafter:
+def build(
+    config: K3DSparkConfig, compute_dtype: torch.dtype = torch.float32, seed: int = 0
+) -> ReferenceDrafter:
     tensors = dict(random_drafter_tensors(config, seed=seed))
-    return ReferenceDrafter.from_state_dict(config, tensors, embed_tokens=tensors["embed_tokens.weight"],
-                                            lm_head=random_lm_head(config, seed=seed), compute_dtype=compute_dtype)
+    return ReferenceDrafter.from_state_dict(
+        config,
+        tensors,
+        embed_tokens=tensors["embed_tokens.weight"],
+        lm_head=random_lm_head(config, seed=seed),
+        compute_dtype=compute_dtype,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,26 +40,41 @@ def drafter(config) -> ReferenceDrafter:
 
 def inputs(config: K3DSparkConfig, batch: int = 2, context_len: int = 12, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    aux = torch.randn(batch, context_len, config.num_target_layers * config.target_hidden_size, generator=g)
+    aux = torch.randn(
+        batch, context_len, config.num_target_layers * config.target_hidden_size, generator=g
+    )
     positions = torch.randint(0, 5000, (batch, 1), generator=g) + torch.arange(context_len)
     anchors = torch.randint(0, config.vocab_size, (batch,), generator=g)
     return aux, positions, anchors
 
 
-def hidden_of(drafter: ReferenceDrafter, aux, positions, anchors, *, mask=None, absorbed=False, embeds=None):
+def hidden_of(
+    drafter: ReferenceDrafter, aux, positions, anchors, *, mask=None, absorbed=False, embeds=None
+):
     """The block's hidden states for a context ending at each request's last position."""
     context_kv = drafter.context_kv(drafter.combine_hidden_states(aux), positions)
-    last = positions.max(1).values if mask is None else positions.masked_fill(~mask, -1).max(1).values
+    last = (
+        positions.max(1).values if mask is None else positions.masked_fill(~mask, -1).max(1).values
+    )
     block_positions = last[:, None] + torch.arange(1, drafter.config.block_size + 1)
-    return drafter.block_hidden(anchors, context_kv, block_positions, context_mask=mask, absorbed=absorbed,
-                                inputs_embeds=embeds)
+    return drafter.block_hidden(
+        anchors,
+        context_kv,
+        block_positions,
+        context_mask=mask,
+        absorbed=absorbed,
+        inputs_embeds=embeds,
+    )
 
 
 def test_parameters_carry_the_checkpoint_key_names(drafter, config) -> None:
-    from vllm_dspark.layout import tensor_shapes
+    from vllm_dspark.checkpoint.layout import tensor_shapes
 
     params = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
-    assert params == {**tensor_shapes(config), "lm_head.weight": (config.vocab_size, config.hidden_size)}
+    assert params == {
+        **tensor_shapes(config),
+        "lm_head.weight": (config.vocab_size, config.hidden_size),
+    }
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float64, 1e-12)])
@@ -67,12 +89,22 @@ def test_naive_and_absorbed_mla_agree(config, dtype, tol) -> None:
     torch.testing.assert_close(absorbed, naive, rtol=tol, atol=tol)
     # Attention itself (before residuals and norms dilute any difference) agrees as well.
     attn = drafter.layers[0].self_attn
-    x = torch.randn(3, config.block_size, config.hidden_size, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(
+        3,
+        config.block_size,
+        config.hidden_size,
+        dtype=dtype,
+        generator=torch.Generator().manual_seed(1),
+    )
     block_positions = positions[:, -1:] + torch.arange(1, config.block_size + 1)
     context_latent = drafter.context_kv(drafter.combine_hidden_states(aux), positions)[0]
     key_mask = torch.cat([mask, torch.ones(3, config.block_size, dtype=torch.bool)], 1)
-    torch.testing.assert_close(attn(x, block_positions, context_latent, key_mask, True),
-                               attn(x, block_positions, context_latent, key_mask, False), rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        attn(x, block_positions, context_latent, key_mask, True),
+        attn(x, block_positions, context_latent, key_mask, False),
+        rtol=tol,
+        atol=tol,
+    )
 
 
 def test_block_attention_is_non_causal(drafter, config) -> None:
@@ -94,7 +126,9 @@ def test_context_sensitivity_and_padding(drafter, config) -> None:
     aux2 = aux.clone()
     aux2[:, 3] += 1.0
     changed = hidden_of(drafter, aux2, positions, anchors)
-    assert ((changed - base).abs().amax(dim=-1) > 1e-4).all(), "every block position reads every context token"
+    assert ((changed - base).abs().amax(dim=-1) > 1e-4).all(), (
+        "every block position reads every context token"
+    )
 
     # A request padded into a longer batch drafts exactly as it does alone.
     alone = hidden_of(drafter, aux[:1, :7], positions[:1, :7], anchors[:1])
@@ -127,7 +161,9 @@ def test_draft_block_layout_and_heads_are_consistent(drafter, config) -> None:
     assert out.logits.shape == (2, n, config.vocab_size) and out.logits.dtype == torch.float32
     assert torch.equal(out.block_positions[0], positions[0, -1] + torch.arange(1, n + 1))
     assert torch.equal(out.block_positions[1], positions[1, 8] + torch.arange(1, n + 1))
-    assert torch.equal(drafter.block_input_ids(anchors)[:, 1:], torch.full((2, n - 1), config.mask_token_id))
+    assert torch.equal(
+        drafter.block_input_ids(anchors)[:, 1:], torch.full((2, n - 1), config.mask_token_id)
+    )
     torch.testing.assert_close(out.hidden, hidden_of(drafter, aux, positions, anchors, mask=mask))
     # Greedy: each token is the argmax of base logits + the bias of the previous token (the anchor first).
     prev = torch.cat([anchors[:, None], out.tokens[:, :-1]], 1)
@@ -137,7 +173,9 @@ def test_draft_block_layout_and_heads_are_consistent(drafter, config) -> None:
     assert torch.equal(out.tokens, out.logits.argmax(-1))
     torch.testing.assert_close(out.confidences, drafter.confidence(out.hidden, out.markov_embeds))
     # The absorbed form drafts the same block.
-    assert torch.equal(drafter.draft(aux, positions, anchors, context_mask=mask, absorbed=True).tokens, out.tokens)
+    assert torch.equal(
+        drafter.draft(aux, positions, anchors, context_mask=mask, absorbed=True).tokens, out.tokens
+    )
 
 
 def test_greedy_token_follows_the_previous_token(drafter, config) -> None:
@@ -150,11 +188,16 @@ def test_greedy_token_follows_the_previous_token(drafter, config) -> None:
     for alternative in range(40):
         forced = torch.cat([anchors[:, None], free.tokens[:, :-1]], 1)
         forced[0, i] = alternative
-        teacher = markov_rollout(base, anchors, drafter.markov_embed, drafter.markov_bias, forced_prev=forced)
+        teacher = markov_rollout(
+            base, anchors, drafter.markov_embed, drafter.markov_bias, forced_prev=forced
+        )
         assert torch.equal(teacher.tokens[:, :i], free.tokens[:, :i])
-        delta = drafter.markov_bias(drafter.markov_embed(torch.tensor([alternative]))) - drafter.markov_bias(
-            drafter.markov_embed(free.tokens[:, i - 1]))
-        torch.testing.assert_close(teacher.logits[:, i] - free.logits[:, i], delta, rtol=1e-5, atol=1e-5)
+        delta = drafter.markov_bias(
+            drafter.markov_embed(torch.tensor([alternative]))
+        ) - drafter.markov_bias(drafter.markov_embed(free.tokens[:, i - 1]))
+        torch.testing.assert_close(
+            teacher.logits[:, i] - free.logits[:, i], delta, rtol=1e-5, atol=1e-5
+        )
         changed_any |= bool(teacher.tokens[0, i] != free.tokens[0, i])
     assert changed_any, "the Markov bias never changed the greedy token"
 
@@ -165,7 +208,9 @@ def test_confidence_head(drafter, config) -> None:
     assert ((out.confidences > 0) & (out.confidences < 1)).all()
     other = drafter.markov_embed((out.tokens + 1) % config.vocab_size)
     assert (drafter.confidence(out.hidden, other) - out.confidences).abs().max() > 1e-4
-    assert (drafter.confidence(out.hidden + 0.5, out.markov_embeds) - out.confidences).abs().max() > 1e-4
+    assert (
+        drafter.confidence(out.hidden + 0.5, out.markov_embeds) - out.confidences
+    ).abs().max() > 1e-4
 
     hidden_only = build(preset_config("tiny", confidence_head_with_markov=False))
     assert hidden_only.confidence_head.proj.weight.shape == (1, config.hidden_size)
@@ -173,7 +218,9 @@ def test_confidence_head(drafter, config) -> None:
     torch.testing.assert_close(hidden_only.confidence(out.hidden, other), c)
     assert ((c > 0) & (c < 1)).all()
 
-    no_head = build(preset_config("tiny", enable_confidence_head=False, confidence_head_with_markov=False))
+    no_head = build(
+        preset_config("tiny", enable_confidence_head=False, confidence_head_with_markov=False)
+    )
     assert no_head.draft(aux, positions, anchors).confidences is None
     with pytest.raises(ValueError, match="no confidence head"):
         no_head.confidence(out.hidden, out.markov_embeds)
@@ -194,11 +241,18 @@ def test_seeded_sampling_through_the_drafter(drafter, config) -> None:
 
 def test_bf16_compute(config) -> None:
     fp32, bf16 = build(config), build(config, compute_dtype=torch.bfloat16)
-    assert all(p.dtype == torch.bfloat16 for n, p in bf16.named_parameters() if not n.startswith("confidence_head"))
+    assert all(
+        p.dtype == torch.bfloat16
+        for n, p in bf16.named_parameters()
+        if not n.startswith("confidence_head")
+    )
     assert bf16.confidence_head.proj.weight.dtype == torch.float32
     aux, positions, anchors = inputs(config)
     context = bf16.combine_hidden_states(aux)
-    assert context.dtype == torch.bfloat16 and bf16.context_kv(context, positions).dtype == torch.bfloat16
+    assert (
+        context.dtype == torch.bfloat16
+        and bf16.context_kv(context, positions).dtype == torch.bfloat16
+    )
     h32, h16 = hidden_of(fp32, aux, positions, anchors), hidden_of(bf16, aux, positions, anchors)
     assert h16.dtype == torch.bfloat16
     relative = (h16.float() - h32).norm() / h32.norm()
@@ -210,15 +264,19 @@ def test_bf16_compute(config) -> None:
 def test_bf16_weights_under_fp32_compute_are_exact(config) -> None:
     tensors = dict(random_drafter_tensors(config, seed=0))
     lm_head = random_lm_head(config, seed=0)
-    stored_bf16 = ReferenceDrafter.from_state_dict(config, tensors, embed_tokens=tensors["embed_tokens.weight"],
-                                                   lm_head=lm_head)
+    stored_bf16 = ReferenceDrafter.from_state_dict(
+        config, tensors, embed_tokens=tensors["embed_tokens.weight"], lm_head=lm_head
+    )
     assert stored_bf16.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16  # kept narrow in memory
     upcast = {k: v.float() for k, v in tensors.items()}
-    stored_fp32 = ReferenceDrafter.from_state_dict(config, upcast, embed_tokens=upcast["embed_tokens.weight"],
-                                                   lm_head=lm_head.float())
+    stored_fp32 = ReferenceDrafter.from_state_dict(
+        config, upcast, embed_tokens=upcast["embed_tokens.weight"], lm_head=lm_head.float()
+    )
     aux, positions, anchors = inputs(config)
-    assert torch.equal(stored_bf16.draft(aux, positions, anchors).logits,
-                       stored_fp32.draft(aux, positions, anchors).logits)
+    assert torch.equal(
+        stored_bf16.draft(aux, positions, anchors).logits,
+        stored_fp32.draft(aux, positions, anchors).logits,
+    )
 
 
 def test_linear_upcasts_large_weights_in_slabs(monkeypatch) -> None:
@@ -238,8 +296,10 @@ def test_from_state_dict_rejects_mismatches(config) -> None:
     embed = tensors["embed_tokens.weight"]
     broken = dict(tensors)
     del broken["layers.1.mlp.up_proj.weight"]
-    with pytest.raises(ValueError,
-                       match=r"missing tensor 'layers.1.mlp.up_proj.weight' \(expected shape \(128, 64\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"missing tensor 'layers.1.mlp.up_proj.weight' \(expected shape \(128, 64\)\)",
+    ):
         ReferenceDrafter.from_state_dict(config, broken, embed_tokens=embed, lm_head=embed)
     with pytest.raises(ValueError, match=r"lm_head has shape \(512, 32\).*\(512, 64\)"):
         ReferenceDrafter.from_state_dict(config, tensors, embed_tokens=embed, lm_head=embed[:, :32])
@@ -263,9 +323,15 @@ def test_draft_rejects_bad_inputs(drafter, config) -> None:
 
 def test_random_weights_are_deterministic_and_structured() -> None:
     a = random_tensor("layers.0.mlp.up_proj.weight", (256, 512), "linear", seed=3)
-    assert torch.equal(a, random_tensor("layers.0.mlp.up_proj.weight", (256, 512), "linear", seed=3))
-    assert not torch.equal(a, random_tensor("layers.0.mlp.up_proj.weight", (256, 512), "linear", seed=4))
-    assert not torch.equal(a, random_tensor("layers.0.mlp.gate_proj.weight", (256, 512), "linear", seed=3))
+    assert torch.equal(
+        a, random_tensor("layers.0.mlp.up_proj.weight", (256, 512), "linear", seed=3)
+    )
+    assert not torch.equal(
+        a, random_tensor("layers.0.mlp.up_proj.weight", (256, 512), "linear", seed=4)
+    )
+    assert not torch.equal(
+        a, random_tensor("layers.0.mlp.gate_proj.weight", (256, 512), "linear", seed=3)
+    )
     w = a.float()
     assert w.std().item() == pytest.approx(512**-0.5, rel=0.6)  # ~N(0, 1/fan_in) overall
     rows, cols = w.std(dim=1), w.std(dim=0)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import math
 
 import benchmarks.reference_latency as bench
-from vllm_dspark.layout import tensor_shapes
-from vllm_dspark.presets import preset_config
+from vllm_dspark.checkpoint.layout import tensor_shapes
+from vllm_dspark.checkpoint.presets import preset_config
 
 
 def test_run_reports_times_and_bytes_streamed(monkeypatch) -> None:
-    monkeypatch.setattr(bench, "memcpy_bandwidth", lambda: 12.5)  # a 256 MiB copy is the slow part; not tested here
+    monkeypatch.setattr(
+        bench, "memcpy_bandwidth", lambda: 12.5
+    )  # a 256 MiB copy is the slow part; not tested here
     result = bench.run("tiny", 1, context_len=8)
     config = preset_config("tiny")
     shapes = tensor_shapes(config)
@@ -20,10 +22,19 @@ def test_run_reports_times_and_bytes_streamed(monkeypatch) -> None:
     layer_bytes = bf16 * sum(math.prod(s) for k, s in shapes.items() if k.startswith("layers."))
     components = result["weight_bytes_by_component"]
     assert components["layers"] == layer_bytes
-    assert components["markov_w2_per_position"] == config.block_size * bf16 * config.vocab_size * config.markov_rank
-    assert components["context"] == bf16 * (math.prod(shapes["context_proj.weight"]) + config.hidden_size + sum(
-        math.prod(shapes[f"layers.{i}.self_attn.kv_a_proj_with_mqa.weight"]) + config.kv_lora_rank
-        for i in range(config.num_hidden_layers)))
+    assert (
+        components["markov_w2_per_position"]
+        == config.block_size * bf16 * config.vocab_size * config.markov_rank
+    )
+    assert components["context"] == bf16 * (
+        math.prod(shapes["context_proj.weight"])
+        + config.hidden_size
+        + sum(
+            math.prod(shapes[f"layers.{i}.self_attn.kv_a_proj_with_mqa.weight"])
+            + config.kv_lora_rank
+            for i in range(config.num_hidden_layers)
+        )
+    )
     assert result["weight_bytes_per_block"] == sum(components.values())
     assert [r["compute"] for r in result["results"]] == ["fp32", "bf16"]
     for row in result["results"]:
@@ -36,7 +47,12 @@ def test_run_reports_times_and_bytes_streamed(monkeypatch) -> None:
 def test_main_writes_one_result(monkeypatch) -> None:
     written = {}
     monkeypatch.setattr(bench, "memcpy_bandwidth", lambda: 12.5)
-    monkeypatch.setattr(bench, "write_result", lambda name, payload, table: written.update(name=name, table=table))
+    monkeypatch.setattr(
+        bench, "write_result", lambda name, payload, table: written.update(name=name, table=table)
+    )
     assert bench.main(["--preset", "tiny", "--repeats", "1", "--context-len", "8"]) == 0
     assert written["name"] == "reference_latency"
-    assert "| preset | compute | seconds |" in written["table"] and "| tiny | bf16 |" in written["table"]
+    assert (
+        "| preset | compute | seconds |" in written["table"]
+        and "| tiny | bf16 |" in written["table"]
+    )

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from vllm_dspark.presets import preset_config
-from vllm_dspark.rope import (
+from vllm_dspark.checkpoint.presets import preset_config
+from vllm_dspark.ops.rope import (
     RotaryEmbedding,
     apply_rotary_interleaved,
     cos_sin_scale,
@@ -51,7 +51,9 @@ def test_yarn_inverse_frequencies_match_the_formula(dim: int) -> None:
     reference = torch.tensor(_yarn_inv_freq_reference(K3_ROPE, dim), dtype=torch.float64)
     torch.testing.assert_close(ours, reference, rtol=2e-6, atol=0)
     # The high-frequency pairs extrapolate (unchanged), the low-frequency ones interpolate by `factor`.
-    plain = inverse_frequencies({"rope_type": "default", "rope_theta": K3_ROPE["rope_theta"]}, dim).double()
+    plain = inverse_frequencies(
+        {"rope_type": "default", "rope_theta": K3_ROPE["rope_theta"]}, dim
+    ).double()
     assert ours[0] == plain[0]
     torch.testing.assert_close(ours[-1], plain[-1] / K3_ROPE["factor"], rtol=1e-6, atol=0)
 
@@ -66,12 +68,16 @@ def test_default_rope_is_plain_rope() -> None:
 def test_softmax_scale_and_cos_sin_magnitude() -> None:
     qk_head_dim = 128 + 64
     m = 0.1 * 1.0 * math.log(32.0) + 1.0
-    assert softmax_scale(qk_head_dim, K3_ROPE) == pytest.approx(qk_head_dim**-0.5 * m * m, rel=1e-12)
+    assert softmax_scale(qk_head_dim, K3_ROPE) == pytest.approx(
+        qk_head_dim**-0.5 * m * m, rel=1e-12
+    )
     # K3 has mscale == mscale_all_dim, so cos/sin keep unit magnitude; otherwise the ratio applies.
     assert cos_sin_scale(K3_ROPE) == 1.0
     skewed = dict(K3_ROPE, mscale=1.0, mscale_all_dim=0.5)
     assert cos_sin_scale(skewed) == pytest.approx(_mscale(32, 1.0) / _mscale(32, 0.5), rel=1e-12)
-    assert softmax_scale(qk_head_dim, skewed) == pytest.approx(qk_head_dim**-0.5 * _mscale(32, 0.5) ** 2, rel=1e-12)
+    assert softmax_scale(qk_head_dim, skewed) == pytest.approx(
+        qk_head_dim**-0.5 * _mscale(32, 0.5) ** 2, rel=1e-12
+    )
     # attention_factor == 1.0 selects DeepSeek llama-scaling in vLLM, which keeps the plain scale.
     assert softmax_scale(qk_head_dim, dict(K3_ROPE, attention_factor=1.0)) == qk_head_dim**-0.5
 
@@ -82,14 +88,18 @@ def test_gptj_interleaved_rotation() -> None:
     # Angles are fp32 products (as in vLLM's cos/sin table), exact to ~1e-7 relative: positions up
     # to a few thousand keep the comparison with float64 angles within the tolerance below.
     positions = torch.tensor([0, 3, 1000, 4095])
-    x = torch.randn(4, 2, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # [T, heads, dim]
+    x = torch.randn(
+        4, 2, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )  # [T, heads, dim]
     y = rope(x, positions).double()
     inv = torch.tensor(_yarn_inv_freq_reference(K3_ROPE, dim), dtype=torch.float64)
     for t, pos in enumerate(positions.tolist()):
         for i in range(dim // 2):
             # Pair (2i, 2i+1) is one complex number rotated by pos * inv_freq[i].
             angle = pos * inv[i].item()
-            z = complex(x[t, 0, 2 * i], x[t, 0, 2 * i + 1]) * complex(math.cos(angle), math.sin(angle))
+            z = complex(x[t, 0, 2 * i], x[t, 0, 2 * i + 1]) * complex(
+                math.cos(angle), math.sin(angle)
+            )
             assert y[t, 0, 2 * i].item() == pytest.approx(z.real, abs=1e-3 * max(1.0, abs(z)))
             assert y[t, 0, 2 * i + 1].item() == pytest.approx(z.imag, abs=1e-3 * max(1.0, abs(z)))
     assert torch.equal(rope(x, torch.zeros(4, dtype=torch.long)), x)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_dspark.sampling import gumbel_noise, markov_rollout
+from vllm_dspark.ops.sampling import gumbel_noise, markov_rollout
 
 V = 16
 
@@ -46,7 +46,10 @@ def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
     base = torch.randn(4, 6, V, generator=torch.Generator().manual_seed(0))
     anchors = torch.tensor([1, 2, 3, 4])
     seeds = torch.tensor([100, 101, 102, 103])
-    run = lambda idx, s, t=1.0: markov_rollout(base[idx], anchors[idx], embed, bias, temperature=t, seeds=s).tokens
+
+    def run(idx, s, t=1.0):
+        return markov_rollout(base[idx], anchors[idx], embed, bias, temperature=t, seeds=s).tokens
+
     first = run([0, 1, 2, 3], seeds)
     assert torch.equal(first, run([0, 1, 2, 3], seeds))
     assert not torch.equal(first, run([0, 1, 2, 3], seeds + 1000))
@@ -62,8 +65,18 @@ def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
 def test_draws_are_keyed_by_position() -> None:
     embed, bias = successor_head(strength=0.0)
     base = torch.zeros(1, 4, V)
-    at = lambda start: markov_rollout(base, torch.tensor([0]), embed, bias, temperature=1.0, seeds=torch.tensor([5]),
-                                      positions=torch.arange(start, start + 4)[None]).tokens
+
+    def at(start):
+        return markov_rollout(
+            base,
+            torch.tensor([0]),
+            embed,
+            bias,
+            temperature=1.0,
+            seeds=torch.tensor([5]),
+            positions=torch.arange(start, start + 4)[None],
+        ).tokens
+
     assert torch.equal(at(100), at(100))
     assert not torch.equal(at(100), at(200))
     assert torch.equal(at(100)[0, 1:], at(101)[0, :3])  # the same position draws the same noise
@@ -76,13 +89,19 @@ def test_sampling_follows_the_tempered_distribution() -> None:
     n = 3000
     base = probs.log().expand(n, 1, 3)
     seeds = torch.arange(n)
-    tokens = markov_rollout(base, torch.zeros(n, dtype=torch.long), embed, bias, temperature=1.0, seeds=seeds).tokens
+    tokens = markov_rollout(
+        base, torch.zeros(n, dtype=torch.long), embed, bias, temperature=1.0, seeds=seeds
+    ).tokens
     freq = torch.bincount(tokens.flatten(), minlength=3) / n
     torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
     # T = 0.5 squares the probabilities before renormalising.
-    tokens = markov_rollout(base, torch.zeros(n, dtype=torch.long), embed, bias, temperature=0.5, seeds=seeds).tokens
+    tokens = markov_rollout(
+        base, torch.zeros(n, dtype=torch.long), embed, bias, temperature=0.5, seeds=seeds
+    ).tokens
     sharpened = probs**2 / (probs**2).sum()
-    torch.testing.assert_close(torch.bincount(tokens.flatten(), minlength=3) / n, sharpened, atol=0.03, rtol=0)
+    torch.testing.assert_close(
+        torch.bincount(tokens.flatten(), minlength=3) / n, sharpened, atol=0.03, rtol=0
+    )
 
 
 def test_rollout_argument_errors() -> None:
@@ -91,8 +110,12 @@ def test_rollout_argument_errors() -> None:
     with pytest.raises(ValueError, match="needs per-request seeds"):
         markov_rollout(base, torch.tensor([0, 1]), embed, bias, temperature=1.0)
     with pytest.raises(ValueError, match=r"temperature must be"):
-        markov_rollout(base, torch.tensor([0, 1]), embed, bias, temperature=torch.tensor([0.0, -1.0]))
+        markov_rollout(
+            base, torch.tensor([0, 1]), embed, bias, temperature=torch.tensor([0.0, -1.0])
+        )
     with pytest.raises(ValueError, match=r"forced_prev must be \[B, N\] = \[2, 3\]"):
-        markov_rollout(base, torch.tensor([0, 1]), embed, bias, forced_prev=torch.zeros(2, 2, dtype=torch.long))
+        markov_rollout(
+            base, torch.tensor([0, 1]), embed, bias, forced_prev=torch.zeros(2, 2, dtype=torch.long)
+        )
     with pytest.raises(ValueError, match=r"anchor_ids must be \[B\]"):
         markov_rollout(base, torch.tensor([0]), embed, bias)

@@ -43,25 +43,41 @@ def _get(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(dspark_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server(
+    dspark_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         pytest.skip("the CPU recipe needs the CPU build of vLLM")
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve_cpu") / "server.log"
-    env = {**os.environ, "MODEL": str(dspark_models["target"]), "DRAFTER": str(dspark_models["drafter"]),
-           "PORT": str(port), "MAX_MODEL_LEN": "128", "PYTHON": sys.executable,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "MODEL": str(dspark_models["target"]),
+        "DRAFTER": str(dspark_models["drafter"]),
+        "PORT": str(port),
+        "MAX_MODEL_LEN": "128",
+        "PYTHON": sys.executable,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(["bash", str(ROOT / "examples" / "serve_cpu.sh")], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            ["bash", str(ROOT / "examples" / "serve_cpu.sh")],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
         while True:
-            assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log_path.read_text()[-6000:]}"
-            assert time.monotonic() < deadline, f"the server did not start:\n{log_path.read_text()[-6000:]}"
+            assert proc.poll() is None, (
+                f"the server exited ({proc.returncode}):\n{log_path.read_text()[-6000:]}"
+            )
+            assert time.monotonic() < deadline, (
+                f"the server did not start:\n{log_path.read_text()[-6000:]}"
+            )
             try:
                 _get(f"{base_url}/health")
                 break
@@ -77,15 +93,29 @@ def server(dspark_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
             proc.wait()
 
 
-def test_bench_acceptance_reports_the_real_dspark_servers_own_counters(server, dspark_models, tmp_path,
-                                                                       capsys) -> None:
+def test_bench_acceptance_reports_the_real_dspark_servers_own_counters(
+    server, dspark_models, tmp_path, capsys
+) -> None:
     model = str(dspark_models["target"])
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
     before = bench.parse_spec_counters(_get(f"{server}/metrics"), model)
     assert before is not None, "the server exports no spec-decode counters"
-    rc = bench.main(["--base-url", server, "--prompts", str(prompts), "--concurrency", "2", "--temperature", "0",
-                     "--max-tokens", str(MAX_TOKENS), "--ignore-eos"])
+    rc = bench.main(
+        [
+            "--base-url",
+            server,
+            "--prompts",
+            str(prompts),
+            "--concurrency",
+            "2",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--ignore-eos",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     after = bench.parse_spec_counters(_get(f"{server}/metrics"), model)
 
@@ -97,4 +127,6 @@ def test_bench_acceptance_reports_the_real_dspark_servers_own_counters(server, d
     acceptance = report["acceptance"]
     assert acceptance["num_drafts"] == delta.drafts > 0
     assert acceptance["num_draft_tokens"] == delta.draft_tokens == 7 * delta.drafts
-    assert acceptance["num_accepted_tokens"] == delta.accepted == sum(delta.accepted_per_pos.values())
+    assert (
+        acceptance["num_accepted_tokens"] == delta.accepted == sum(delta.accepted_per_pos.values())
+    )

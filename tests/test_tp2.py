@@ -16,7 +16,13 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from _vllm_drafter import assert_hooks_match_reference, bind_caches, load_drafter, make_batch, run_block
+from _vllm_drafter import (
+    assert_hooks_match_reference,
+    bind_caches,
+    load_drafter,
+    make_batch,
+    run_block,
+)
 
 FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -25,30 +31,46 @@ def _rank(rank: int, port: int, target: Path, checkpoint: Path, out: Path) -> No
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    from vllm_dspark.reference import ReferenceDrafter
-    from vllm_dspark.sampling import markov_rollout
+    from vllm_dspark.ops.sampling import markov_rollout
+    from vllm_dspark.reference.drafter import ReferenceDrafter
 
     torch.set_num_threads(1)
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        init_distributed_environment(
+            world_size=2,
+            rank=rank,
+            local_rank=rank,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+        )
         initialize_model_parallel(2, 1)
     served = load_drafter(target, checkpoint, tensor_parallel_size=2)
     model, config = served.model, served.model.config
-    assert [layer.self_attn.num_local_heads for layer in model.model.layers] == [config.num_attention_heads // 2] * 2
+    assert [layer.self_attn.num_local_heads for layer in model.model.layers] == [
+        config.num_attention_heads // 2
+    ] * 2
     reference = ReferenceDrafter.from_pretrained(checkpoint)
     assert_hooks_match_reference(served, reference, **FP32_TOL)
 
     batch = make_batch(config, seed=3)
     bind_caches(model, batch, torch.float32)
-    model.precompute_and_store_context_kv(model.combine_hidden_states(batch.aux), batch.context_positions,
-                                          batch.context_slots)
+    model.precompute_and_store_context_kv(
+        model.combine_hidden_states(batch.aux), batch.context_positions, batch.context_slots
+    )
     hidden = run_block(served, batch)
     n = config.block_size
-    rollout = markov_rollout(model.compute_draft_logits(hidden).view(-1, n, config.vocab_size), batch.anchors,
-                             model.markov_embed, model.markov_bias, positions=batch.block_positions(n))
+    rollout = markov_rollout(
+        model.compute_draft_logits(hidden).view(-1, n, config.vocab_size),
+        batch.anchors,
+        model.markov_embed,
+        model.markov_bias,
+        positions=batch.block_positions(n),
+    )
     confidence = model.compute_confidence(hidden, rollout.markov_embeds.flatten(0, 1))
-    torch.save({"tokens": rollout.tokens, "logits": rollout.logits, "confidence": confidence}, out / f"rank{rank}.pt")
+    torch.save(
+        {"tokens": rollout.tokens, "logits": rollout.logits, "confidence": confidence},
+        out / f"rank{rank}.pt",
+    )
 
 
 def test_two_tensor_parallel_ranks_match_the_reference_and_each_other(

@@ -21,7 +21,7 @@ import torch
 from _encodings import SERVED, encoded
 from _vllm_drafter import Served, load_drafter, make_batch
 
-from vllm_dspark.layout import FP8_RECIPE
+from vllm_dspark.checkpoint.layout import FP8_RECIPE
 
 pytestmark = [pytest.mark.vllm_api, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -33,7 +33,9 @@ def _torch_mla(*, config, cache_config, quant_config, prefix, **_):
     """The plugin's torch MLA in place of vLLM's CUDA-only one, with what the in-tree context path reads."""
     from vllm_dspark.attention import TorchLatentAttention
 
-    attn = TorchLatentAttention(config=config, cache_config=cache_config, quant_config=quant_config, prefix=prefix)
+    attn = TorchLatentAttention(
+        config=config, cache_config=cache_config, quant_config=quant_config, prefix=prefix
+    )
     attn.kv_cache_dtype = cache_config.cache_dtype
     attn._k_scale = torch.ones(())
     return attn
@@ -56,17 +58,30 @@ class _CpuContextOps:
     def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style) -> None:
         from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-        rotated, _ = RotaryEmbedding.forward_static(positions, query, key, head_size, head_size, cos_sin_cache,
-                                                    is_neox_style)
+        rotated, _ = RotaryEmbedding.forward_static(
+            positions, query, key, head_size, head_size, cos_sin_cache, is_neox_style
+        )
         query.copy_(rotated.view_as(query))
 
-    def concat_and_cache_mla_grouped(self, kv_c, k_pe, cache_ptrs, slot_mapping, block_size, stride0, stride1,
-                                     scales, cache_dtype) -> None:
+    def concat_and_cache_mla_grouped(
+        self,
+        kv_c,
+        k_pe,
+        cache_ptrs,
+        slot_mapping,
+        block_size,
+        stride0,
+        stride1,
+        scales,
+        cache_dtype,
+    ) -> None:
         assert scales is None and cache_dtype == "auto"
         for layer, ptr in enumerate(cache_ptrs.tolist()):
             cache = self.caches[ptr].view(-1, kv_c.shape[-1] + k_pe.shape[-1])
             valid = slot_mapping[layer] >= 0
-            cache[slot_mapping[layer][valid]] = torch.cat([kv_c[layer], k_pe[layer]], dim=-1)[valid].to(cache.dtype)
+            cache[slot_mapping[layer][valid]] = torch.cat([kv_c[layer], k_pe[layer]], dim=-1)[
+                valid
+            ].to(cache.dtype)
 
 
 @contextlib.contextmanager
@@ -101,20 +116,33 @@ def test_hooks_equal_upstream_on_the_same_weights(pair: tuple[Served, Served]) -
     plugin, upstream = pair
     config = plugin.model.config
     batch = make_batch(config)
-    torch.testing.assert_close(plugin.model.combine_hidden_states(batch.aux),
-                               upstream.model.combine_hidden_states(batch.aux), **TOL)
+    torch.testing.assert_close(
+        plugin.model.combine_hidden_states(batch.aux),
+        upstream.model.combine_hidden_states(batch.aux),
+        **TOL,
+    )
     hidden = torch.randn(6, config.hidden_size, generator=torch.Generator().manual_seed(1))
     tokens = torch.randint(0, config.vocab_size, (6,), generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(plugin.model.compute_draft_logits(hidden), upstream.model.compute_draft_logits(hidden),
-                               **TOL)
+    torch.testing.assert_close(
+        plugin.model.compute_draft_logits(hidden),
+        upstream.model.compute_draft_logits(hidden),
+        **TOL,
+    )
     m_plugin, m_upstream = plugin.model.markov_embed(tokens), upstream.model.markov_embed(tokens)
     torch.testing.assert_close(m_plugin, m_upstream, **TOL)
-    torch.testing.assert_close(plugin.model.markov_bias(m_plugin), upstream.model.markov_bias(m_upstream), **TOL)
-    torch.testing.assert_close(plugin.model.compute_confidence(hidden, m_plugin),
-                               upstream.model.compute_confidence(hidden, m_upstream), **TOL)
+    torch.testing.assert_close(
+        plugin.model.markov_bias(m_plugin), upstream.model.markov_bias(m_upstream), **TOL
+    )
+    torch.testing.assert_close(
+        plugin.model.compute_confidence(hidden, m_plugin),
+        upstream.model.compute_confidence(hidden, m_upstream),
+        **TOL,
+    )
 
 
-def test_context_latents_written_to_the_cache_equal_upstreams(pair: tuple[Served, Served], monkeypatch) -> None:
+def test_context_latents_written_to_the_cache_equal_upstreams(
+    pair: tuple[Served, Served], monkeypatch
+) -> None:
     from vllm.models.kimi_k3.nvidia import dspark_mla
     from vllm.v1.worker import workspace
 
@@ -124,19 +152,28 @@ def test_context_latents_written_to_the_cache_equal_upstreams(pair: tuple[Served
     for served in pair:
         caches = []
         for layer in served.model.model.layers:
-            cache = torch.full((int(batch.block_table.max()) + 1, batch.block_size, layer.self_attn.head_size), -7.0)
+            cache = torch.full(
+                (int(batch.block_table.max()) + 1, batch.block_size, layer.self_attn.head_size),
+                -7.0,
+            )
             layer.self_attn.bind_kv_cache(cache)
             caches.append(cache)
         written.append(caches)
     monkeypatch.setattr(dspark_mla, "ops", _CpuContextOps(written[1]))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build cannot ask
+    monkeypatch.setattr(
+        torch.cuda, "is_current_stream_capturing", lambda: False
+    )  # a CPU build cannot ask
     if workspace._manager is None:
         workspace.init_workspace_manager(torch.device("cpu"))
     for served in pair:
         context = served.model.combine_hidden_states(batch.aux)
-        served.model.precompute_and_store_context_kv(context, batch.context_positions, batch.context_slots)
+        served.model.precompute_and_store_context_kv(
+            context, batch.context_positions, batch.context_slots
+        )
     for mine, theirs in zip(*written):
-        assert int((mine != -7.0).all(dim=-1).sum()) == sum(batch.context_lens)  # every context slot, nothing else
+        assert int((mine != -7.0).all(dim=-1).sum()) == sum(
+            batch.context_lens
+        )  # every context slot, nothing else
         torch.testing.assert_close(mine, theirs, **TOL)
 
 
@@ -147,49 +184,66 @@ def test_the_cuda_context_path_is_upstreams_code() -> None:
     from vllm_dspark import model
 
     fake = types.SimpleNamespace()
-    model._use_upstream_context_kv(fake, types.SimpleNamespace(scheduler_config=types.SimpleNamespace(
-        max_num_batched_tokens=8192)))
+    model._use_upstream_context_kv(
+        fake,
+        types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_batched_tokens=8192)),
+    )
     for name in model._UPSTREAM_CONTEXT_KV:
         assert getattr(fake, name).__func__ is getattr(Upstream, name)
     assert fake._max_num_context_tokens == 8192
 
 
-# --- why the override exists ---------------------------------------------------------------------
+# ----- why the override exists -----
 
 
 @pytest.fixture(scope="module")
 def fp8_builds(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> dict[str, Path]:
-    from vllm_dspark.quantize import quantize_checkpoint
+    from vllm_dspark.checkpoint.quantize import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("fp8")
     quantize_checkpoint(tiny_checkpoint, root / "fp8", "fp8", progress=False)
-    return {"regex": root / "fp8",
-            "linear-class": encoded(root / "fp8", root / "linear", SERVED["linear-class"], list(FP8_RECIPE))}
+    return {
+        "regex": root / "fp8",
+        "linear-class": encoded(
+            root / "fp8", root / "linear", SERVED["linear-class"], list(FP8_RECIPE)
+        ),
+    }
 
 
-def test_in_tree_class_fails_to_load_the_projects_fp8_encoding(fp8_builds, tiny_mla_target: Path) -> None:
+def test_in_tree_class_fails_to_load_the_projects_fp8_encoding(
+    fp8_builds, tiny_mla_target: Path
+) -> None:
     """Each in-tree layer builds its own quant config, without packed_modules_mapping, so the fused
     gate_up_proj matches no target and is built unquantized; its FP8 shards then have nowhere to go."""
     from vllm.model_executor.models.utils import get_draft_quant_config
 
     from vllm_dspark.cpu_w8a16 import install
-    from vllm_dspark.vllm_load import engine_config
+    from vllm_dspark.tools.vllm_load import engine_config
 
     quant_config = get_draft_quant_config(engine_config(tiny_mla_target, fp8_builds["regex"]))
     layer = torch.nn.Linear(1, 1)
     assert not quant_config.packed_modules_mapping
-    assert quant_config.get_scheme_dict(layer, layer_name="model.layers.8.mlp.gate_proj") is not None
+    assert (
+        quant_config.get_scheme_dict(layer, layer_name="model.layers.8.mlp.gate_proj") is not None
+    )
     assert quant_config.get_scheme_dict(layer, layer_name="model.layers.8.mlp.gate_up_proj") is None
     install()  # vLLM has no CPU FP8 W8A16 kernel; the plugin's stands in for the GPU's
-    with pytest.MonkeyPatch.context() as mp, _in_tree_class(mp), \
-            pytest.raises(AttributeError, match="'MergedColumnParallelLinear' object has no attribute 'data'"):
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        _in_tree_class(mp),
+        pytest.raises(
+            AttributeError, match="'MergedColumnParallelLinear' object has no attribute 'data'"
+        ),
+    ):
         load_drafter(tiny_mla_target, fp8_builds["regex"])
     # The plugin serves the same build.
     served = load_drafter(tiny_mla_target, fp8_builds["regex"])
     assert served.model.model.layers[0].mlp.gate_up_proj.scheme is not None
 
 
-def test_in_tree_class_silently_quantizes_the_bf16_kv_b_proj(fp8_builds, tiny_mla_target: Path) -> None:
+def test_in_tree_class_silently_quantizes_the_bf16_kv_b_proj(
+    fp8_builds, tiny_mla_target: Path
+) -> None:
     """``Linear`` + checkpoint-name ignores: its ignores miss the runtime names, so the BF16 kv_b_proj is
     built FP8 and loaded from BF16 weights without a scale; the plugin keeps it BF16."""
     from vllm_dspark.cpu_w8a16 import install

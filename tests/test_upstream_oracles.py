@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The shared math against vLLM's own implementation of it, which the package does not call.
 
-The model class and the reference drafter share :mod:`vllm_dspark.rope` and :mod:`vllm_dspark.sampling`,
+The model class and the reference drafter share :mod:`vllm_dspark.ops.rope` and :mod:`vllm_dspark.ops.sampling`,
 so comparing them cannot catch a convention both get wrong. Here the second implementation is vLLM's:
 
 - **RoPE**: vLLM's Kimi-K3 ``MultiHeadLatentAttention`` (the GPU draft layer) built on CPU; its rotary
@@ -27,25 +27,29 @@ from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
 from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
 from vllm_dspark.attention import rotate_pe
+from vllm_dspark.checkpoint.presets import preset_config
 from vllm_dspark.cpu_runtime import ensure_single_process_runtime
-from vllm_dspark.presets import preset_config
-from vllm_dspark.reference import MultiHeadLatentAttention as ReferenceMLA
-from vllm_dspark.reference import ReferenceDrafter
-from vllm_dspark.rope import RotaryEmbedding, softmax_scale
+from vllm_dspark.ops.rope import RotaryEmbedding, softmax_scale
+from vllm_dspark.reference.drafter import MultiHeadLatentAttention as ReferenceMLA
+from vllm_dspark.reference.drafter import ReferenceDrafter
 
 K3_ROPE = preset_config("k3").rope_parameters
 ROPES = {
     "k3": K3_ROPE,
-    "skewed": dict(K3_ROPE, mscale=SKEWED_CONFIG["mscale"], mscale_all_dim=SKEWED_CONFIG["mscale_all_dim"]),
+    "skewed": dict(
+        K3_ROPE, mscale=SKEWED_CONFIG["mscale"], mscale_all_dim=SKEWED_CONFIG["mscale_all_dim"]
+    ),
     "llama-scaling": dict(K3_ROPE, attention_factor=1.0),
     "unscaled-yarn": dict(K3_ROPE, factor=1.0),
     "default": {"rope_type": "default", "rope_theta": 50000.0},
 }
 # The YaRN boundary and its neighbours, powers of two, the table's last row, and 48 random positions.
-POSITIONS = torch.cat([
-    torch.tensor([0, 1, 2, 3, 4095, 32767, 32768, 32769, 65536, 131072, 524288, 1048575]),
-    torch.randint(0, 1 << 20, (48,), generator=torch.Generator().manual_seed(0)),
-])
+POSITIONS = torch.cat(
+    [
+        torch.tensor([0, 1, 2, 3, 4095, 32767, 32768, 32769, 65536, 131072, 524288, 1048575]),
+        torch.randint(0, 1 << 20, (48,), generator=torch.Generator().manual_seed(0)),
+    ]
+)
 # Measured: exactly 0 for both ropes (the same fp32 angle products and cos/sin on both sides). The bound
 # is a few fp32 ulps at |x| ~ 4, room for a different libm; a convention error moves elements by ~1.
 ROPE_ATOL = 1e-6
@@ -59,16 +63,27 @@ def served(tiny_mla_target: Path, skewed_checkpoint: Path) -> Served:
 def _vllm_mla(rope_parameters: dict, rope_dim: int) -> tuple:
     """vLLM's Kimi-K3 MLA layer with the K3 drafter's arguments (see ``build_latent_attention``)."""
     tiny = preset_config("tiny")
-    config = preset_config("tiny", qk_rope_head_dim=rope_dim, target_kv_latent_dim=tiny.kv_lora_rank + rope_dim,
-                           rope_parameters=rope_parameters)
+    config = preset_config(
+        "tiny",
+        qk_rope_head_dim=rope_dim,
+        target_kv_latent_dim=tiny.kv_lora_rank + rope_dim,
+        rope_parameters=rope_parameters,
+    )
     # A fresh VllmConfig per layer: the layer registers its name in the current config's forward context.
     with set_current_vllm_config(VllmConfig()):
         ensure_single_process_runtime()
         return config, MultiHeadLatentAttention(
-            config=config, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
-            qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
-            v_head_dim=config.v_head_dim, q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
-            cache_config=CacheConfig(), prefix="model.layers.0.self_attn", use_rope=True,
+            config=config,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            q_lora_rank=config.q_lora_rank,
+            kv_lora_rank=config.kv_lora_rank,
+            cache_config=CacheConfig(),
+            prefix="model.layers.0.self_attn",
+            use_rope=True,
             non_causal_multi_token_decode=True,
         )
 
@@ -76,16 +91,24 @@ def _vllm_mla(rope_parameters: dict, rope_dim: int) -> tuple:
 @pytest.mark.parametrize("rope", ["k3", "skewed"])
 def test_rotary_embedding_matches_vllm_up_to_1m_positions(rope: str) -> None:
     _, layer = _vllm_mla(ROPES[rope], 64)
-    x = torch.randn(len(POSITIONS), 4, 64, generator=torch.Generator().manual_seed(1))  # [T, heads, rope]
+    x = torch.randn(
+        len(POSITIONS), 4, 64, generator=torch.Generator().manual_seed(1)
+    )  # [T, heads, rope]
     expected, _ = layer.rotary_emb.forward_native(POSITIONS, x.clone(), x[:, :1].clone())
     reference = RotaryEmbedding.from_rope_parameters(ROPES[rope], 64)(x, POSITIONS)
-    torch.testing.assert_close(reference, expected, atol=ROPE_ATOL, rtol=0, msg=lambda m: f"reference: {m}")
+    torch.testing.assert_close(
+        reference, expected, atol=ROPE_ATOL, rtol=0, msg=lambda m: f"reference: {m}"
+    )
     model = rotate_pe(layer.rotary_emb, POSITIONS, x)
-    torch.testing.assert_close(model, expected, atol=ROPE_ATOL, rtol=0, msg=lambda m: f"rotate_pe: {m}")
+    torch.testing.assert_close(
+        model, expected, atol=ROPE_ATOL, rtol=0, msg=lambda m: f"rotate_pe: {m}"
+    )
     # The rotation is not the identity, and the skewed rope scales cos/sin (|rotated| = s |x| per pair).
     assert (expected - x).abs().max() > 0.1
     norms = expected[1:].norm(dim=-1) / x[1:].norm(dim=-1)
-    torch.testing.assert_close(norms, torch.full_like(norms, layer.rotary_emb.mscale), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        norms, torch.full_like(norms, layer.rotary_emb.mscale), atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("rope", list(ROPES))
@@ -93,22 +116,33 @@ def test_softmax_scale_matches_vllms_mla_layer(rope: str) -> None:
     config, layer = _vllm_mla(ROPES[rope], 16)
     qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     # Both sides are float64 scalar arithmetic on the same numbers: equal to rounding.
-    assert softmax_scale(qk_head_dim, config.rope_parameters) == pytest.approx(layer.scale, rel=1e-12)
+    assert softmax_scale(qk_head_dim, config.rope_parameters) == pytest.approx(
+        layer.scale, rel=1e-12
+    )
     with torch.device("meta"):
-        reference_layer = ReferenceMLA(config, RotaryEmbedding.from_rope_parameters(config.rope_parameters, 16))
+        reference_layer = ReferenceMLA(
+            config, RotaryEmbedding.from_rope_parameters(config.rope_parameters, 16)
+        )
     assert reference_layer.scale == pytest.approx(layer.scale, rel=1e-12)
     if rope in ("k3", "skewed"):
-        assert layer.scale != pytest.approx(qk_head_dim**-0.5, rel=1e-3), "YaRN must change the scale"
+        assert layer.scale != pytest.approx(qk_head_dim**-0.5, rel=1e-3), (
+            "YaRN must change the scale"
+        )
 
 
 def test_served_attention_uses_vllms_scale(served: Served) -> None:
     """The served CPU draft layers' scale, for the skewed drafter's own config."""
     config = served.model.config
     _, layer = _vllm_mla(config.rope_parameters, config.qk_rope_head_dim)
-    assert all(draft.self_attn.scale == pytest.approx(layer.scale, rel=1e-12) for draft in served.model.model.layers)
+    assert all(
+        draft.self_attn.scale == pytest.approx(layer.scale, rel=1e-12)
+        for draft in served.model.model.layers
+    )
 
 
-def test_vllm_speculator_drafts_what_the_reference_drafts(served: Served, skewed_checkpoint: Path) -> None:
+def test_vllm_speculator_drafts_what_the_reference_drafts(
+    served: Served, skewed_checkpoint: Path
+) -> None:
     """vLLM's ``DSparkSpeculator._sample_sequential`` over the served drafter against ``ReferenceDrafter.draft``.
 
     The speculator is built by its own constructor and loads the drafter with its own
@@ -120,7 +154,7 @@ def test_vllm_speculator_drafts_what_the_reference_drafts(served: Served, skewed
     """
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-    from vllm_dspark.vllm_load import _without_v1_runner_check
+    from vllm_dspark.tools.vllm_load import _without_v1_runner_check
 
     vllm_config = served.vllm_config
     with set_current_vllm_config(vllm_config), _without_v1_runner_check():
@@ -136,11 +170,15 @@ def test_vllm_speculator_drafts_what_the_reference_drafts(served: Served, skewed
     batch = make_batch(config, seed=2, context_lens=(5, 33000), block_size=64)
     requests = len(batch.context_lens)
     bind_caches(model, batch, torch.float32)
-    model.precompute_and_store_context_kv(model.combine_hidden_states(batch.aux), batch.context_positions,
-                                          batch.context_slots)
+    model.precompute_and_store_context_kv(
+        model.combine_hidden_states(batch.aux), batch.context_positions, batch.context_slots
+    )
     hidden = run_block(Served(model, vllm_config, served.target), batch)
     speculator.input_buffers.input_ids.index_copy_(
-        0, speculator._anchor_idx[:requests], batch.anchors.to(speculator.input_buffers.input_ids.dtype))
+        0,
+        speculator._anchor_idx[:requests],
+        batch.anchors.to(speculator.input_buffers.input_ids.dtype),
+    )
     speculator.sample_indices[: requests * n].copy_(torch.arange(requests * n))
     speculator.sample_pos[: requests * n].copy_((batch.block_positions(n) + 1).flatten())
     speculator.sample_idx_mapping[: requests * n].copy_(torch.arange(requests).repeat_interleave(n))
@@ -156,6 +194,8 @@ def test_vllm_speculator_drafts_what_the_reference_drafts(served: Served, skewed
     torch.testing.assert_close(confidences, expected.confidences, atol=1e-6, rtol=0)
     # The Markov head decides some tokens (else its sign or scale could be wrong unnoticed), and the
     # confidence reads W1[y_{i-1}]: position i's confidence input is the embedding of token i - 1.
-    assert not torch.equal(tokens, reference.base_logits(expected.hidden).argmax(-1)), "no token depends on the bias"
+    assert not torch.equal(tokens, reference.base_logits(expected.hidden).argmax(-1)), (
+        "no token depends on the bias"
+    )
     previous = torch.cat([batch.anchors[:, None], tokens[:, :-1]], dim=1)
     assert torch.equal(expected.markov_embeds, reference.markov_embed(previous))

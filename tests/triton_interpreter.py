@@ -73,10 +73,12 @@ def _boolean_masks() -> None:
         return mask if mask.data.dtype == np.bool_ else TensorHandle(mask.data != 0, mask.dtype)
 
     load, store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
-    InterpreterBuilder.create_masked_load = (
-        lambda self, ptrs, mask, *args: load(self, ptrs, as_bool(mask), *args))
-    InterpreterBuilder.create_masked_store = (
-        lambda self, ptrs, value, mask, *args: store(self, ptrs, value, as_bool(mask), *args))
+    InterpreterBuilder.create_masked_load = lambda self, ptrs, mask, *args: load(
+        self, ptrs, as_bool(mask), *args
+    )
+    InterpreterBuilder.create_masked_store = lambda self, ptrs, value, mask, *args: store(
+        self, ptrs, value, as_bool(mask), *args
+    )
 
 
 def _numpy_libdevice() -> None:
@@ -102,4 +104,3 @@ def _backends() -> dict:
     from triton.backends import backends
 
     return backends
-

@@ -8,7 +8,7 @@ is idempotent, imports nothing heavy and never touches CUDA.
 
 from __future__ import annotations
 
-from vllm_dspark.version import __version__
+from vllm_dspark.version import __version__ as __version__
 
 ARCHITECTURE = "K3DSparkModel"
 MODEL_CLASS_PATH = "vllm_dspark.model:K3DSparkForCausalLM"
@@ -78,8 +78,7 @@ def register() -> None:
     init_logger("vllm.vllm_dspark").info(
         "vllm_dspark %s: %s -> %s (overrides vLLM's in-tree K3 DSpark drafter; "
         "loads FP8 compressed-tensors builds and runs on CPU)",
-        __version__, ARCHITECTURE, MODEL_CLASS_PATH,
+        __version__,
+        ARCHITECTURE,
+        MODEL_CLASS_PATH,
     )
-
-
-__all__ = ["ARCHITECTURE", "MODEL_CLASS_PATH", "SUPPORTED_VLLM", "__version__", "check_vllm_version", "register", "request_amx_permission"]

@@ -29,7 +29,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.platforms import current_platform
 from vllm.triton_utils import HAS_TRITON
 
-from vllm_dspark.rope import apply_rotary_interleaved, softmax_scale
+from vllm_dspark.ops.rope import apply_rotary_interleaved, softmax_scale
 
 if TYPE_CHECKING:
     from vllm.config import CacheConfig
@@ -37,14 +37,6 @@ if TYPE_CHECKING:
     from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
     from vllm_dspark.config import K3DSparkConfig
-
-__all__ = [
-    "LatentAttentionMetadata",
-    "TorchLatentAttention",
-    "build_latent_attention",
-    "mla_rope_parameters",
-    "rotate_pe",
-]
 
 
 @dataclass
@@ -70,12 +62,16 @@ def mla_rope_parameters(config: K3DSparkConfig) -> dict[str, Any]:
     rope_parameters = dict(config.rope_parameters)
     if rope_parameters["rope_type"] != "default":
         rope_parameters["rope_type"] = (
-            "deepseek_llama_scaling" if rope_parameters.get("attention_factor") == 1.0 else "deepseek_yarn"
+            "deepseek_llama_scaling"
+            if rope_parameters.get("attention_factor") == 1.0
+            else "deepseek_yarn"
         )
     return rope_parameters
 
 
-def rotate_pe(rotary_emb: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def rotate_pe(
+    rotary_emb: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
     """GPT-J-rotate ``x [T, heads, rope_dim]`` at ``positions [T]`` with the layer's fp32 cos/sin table.
 
     The table is the one the GPU layer's fused epilogues read, so context latents written here and
@@ -171,7 +167,9 @@ class TorchLatentAttention(nn.Module):
             )
         self.kv_cache = kv_cache
 
-    def store_latent(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def store_latent(
+        self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         """Write ``[kv_c_normed | k_pe]`` (``[T, kv_lora_rank]``, ``[T, 1, rope]``) at ``slot_mapping [T]``.
 
         Negative slots are padding and are skipped, as vLLM's cache-insert kernels skip them.
@@ -181,7 +179,9 @@ class TorchLatentAttention(nn.Module):
             return
         valid = slot_mapping >= 0
         latent = torch.cat([kv_c_normed, k_pe.squeeze(1)], dim=-1)
-        self.kv_cache.view(-1, self.head_size)[slot_mapping[valid]] = latent[valid].to(self.kv_cache.dtype)
+        self.kv_cache.view(-1, self.head_size)[slot_mapping[valid]] = latent[valid].to(
+            self.kv_cache.dtype
+        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q_c, kv_c, k_pe = self.fused_qkv_a_proj(hidden_states)[0].split(
@@ -197,7 +197,11 @@ class TorchLatentAttention(nn.Module):
         return self.o_proj(self._attention(q_nope, q_pe, kv_c_normed, k_pe))[0]
 
     def _attention(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
     ) -> torch.Tensor:
         """Insert this step's latents, then attend every query row to its request's whole sequence."""
         out = q_nope.new_zeros(q_nope.shape[0], self.num_local_heads, self.v_head_dim)
@@ -207,7 +211,9 @@ class TorchLatentAttention(nn.Module):
             return out.flatten(1)
         meta: LatentAttentionMetadata = forward_context.attn_metadata[self.layer_name]
         if self.kv_cache.numel() == 0:
-            raise ValueError(f"{self.layer_name}: attention metadata was given but no KV cache is bound")
+            raise ValueError(
+                f"{self.layer_name}: attention metadata was given but no KV cache is bound"
+            )
         num_tokens = int(meta.query_start_loc[-1])
         slot_mapping = forward_context.slot_mapping[self.layer_name][:num_tokens]
         self.store_latent(kv_c_normed[:num_tokens], k_pe[:num_tokens], slot_mapping)
@@ -218,10 +224,16 @@ class TorchLatentAttention(nn.Module):
             start, end = int(meta.query_start_loc[r]), int(meta.query_start_loc[r + 1])
             pos = torch.arange(int(meta.seq_lens[r]), device=cache.device)
             slots = meta.block_table[r, pos // block_size].long() * block_size + pos % block_size
-            kv_c, pe = cache[slots].to(q_nope.dtype).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-            k_nope, v = self.kv_b_proj(kv_c)[0].view(
-                -1, self.num_local_heads, self.qk_nope_head_dim + self.v_head_dim
-            ).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+            kv_c, pe = (
+                cache[slots]
+                .to(q_nope.dtype)
+                .split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            )
+            k_nope, v = (
+                self.kv_b_proj(kv_c)[0]
+                .view(-1, self.num_local_heads, self.qk_nope_head_dim + self.v_head_dim)
+                .split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+            )
             # The rope part of the key is one MQA head shared by every query head.
             scores = torch.einsum("qhd,khd->hqk", q_nope[start:end], k_nope)
             scores = scores + torch.einsum("qhd,kd->hqk", q_pe[start:end], pe)
@@ -230,14 +242,26 @@ class TorchLatentAttention(nn.Module):
         return out.flatten(1)
 
 
-def _k3_mla_arguments(config: K3DSparkConfig, cache_config: CacheConfig, quant_config: QuantizationConfig | None,
-                      prefix: str) -> dict[str, Any]:
+def _k3_mla_arguments(
+    config: K3DSparkConfig,
+    cache_config: CacheConfig,
+    quant_config: QuantizationConfig | None,
+    prefix: str,
+) -> dict[str, Any]:
     """Kimi-K3 ``MultiHeadLatentAttention``'s arguments for a DSpark draft layer (RoPE, non-causal block)."""
     return dict(
-        config=config, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
-        qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
-        v_head_dim=config.v_head_dim, q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
-        cache_config=cache_config, quant_config=quant_config, prefix=prefix, use_rope=True,
+        config=config,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+        q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank,
+        cache_config=cache_config,
+        quant_config=quant_config,
+        prefix=prefix,
+        use_rope=True,
         non_causal_multi_token_decode=True,
     )
 
@@ -266,4 +290,6 @@ def build_latent_attention(
         from vllm_dspark.attention_cuda import K3DSparkMLA
 
         return K3DSparkMLA(**_k3_mla_arguments(config, cache_config, quant_config, prefix))
-    return TorchLatentAttention(config=config, cache_config=cache_config, quant_config=quant_config, prefix=prefix)
+    return TorchLatentAttention(
+        config=config, cache_config=cache_config, quant_config=quant_config, prefix=prefix
+    )

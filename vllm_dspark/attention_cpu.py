@@ -27,8 +27,6 @@ from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonML
 from vllm_dspark.attention import rotate_pe
 from vllm_dspark.attention_cuda import K3DSparkMLA
 
-__all__ = ["K3DSparkCPUMLA", "TorchMLABackend"]
-
 
 class TorchMLAImpl(TritonMLAImpl):
     """TRITON_MLA's decode attention over the paged latent cache, in torch."""
@@ -57,10 +55,14 @@ class TorchMLAImpl(TritonMLAImpl):
             rows = slice(r * query_len, (r + 1) * query_len)
             scores = torch.einsum("qhd,kd->qhk", q[rows].float(), latent) * self.scale
             if attn_metadata.causal:
-                visible = pos <= torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+                visible = (
+                    pos <= torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+                )
                 scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
             lse[rows] = scores.logsumexp(dim=-1)
-            out[rows] = torch.einsum("qhk,kd->qhd", scores.softmax(dim=-1), latent[:, : self.kv_lora_rank]).to(q.dtype)
+            out[rows] = torch.einsum(
+                "qhk,kd->qhd", scores.softmax(dim=-1), latent[:, : self.kv_lora_rank]
+            ).to(q.dtype)
         return out, lse
 
 
@@ -92,15 +94,21 @@ class K3DSparkCPUMLA(K3DSparkMLA):
             super().__init__(**kwargs)
         self.kv_b_proj._cpu_skip_gemm_dispatch = True
 
-    def store_latent(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def store_latent(
+        self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         """Write ``[kv_c_normed | k_pe]`` at ``slot_mapping``; negative (padding) slots are skipped."""
         if self.kv_cache.numel() == 0:
             return  # profiling runs precede the cache
         valid = slot_mapping >= 0
         latent = torch.cat([kv_c_normed, k_pe.flatten(1)], dim=-1)[valid]
-        self.kv_cache.view(-1, self.head_size)[slot_mapping[valid].long()] = latent.to(self.kv_cache.dtype)
+        self.kv_cache.view(-1, self.head_size)[slot_mapping[valid].long()] = latent.to(
+            self.kv_cache.dtype
+        )
 
-    def _decode_concat_cache(self, ql_nope, q_pe, kv_c_normed, k_pe, positions, cos_sin_cache, slot_mapping):
+    def _decode_concat_cache(
+        self, ql_nope, q_pe, kv_c_normed, k_pe, positions, cos_sin_cache, slot_mapping
+    ):
         """RoPE on ``q_pe``/``k_pe``, insert the latent, return ``[ql_nope | q_pe]``: the fused op's contract."""
         if positions is not None:
             q_pe = rotate_pe(self.rotary_emb, positions, q_pe)

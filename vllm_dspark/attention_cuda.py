@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
-__all__ = ["K3DSparkMLA"]
-
 
 class K3DSparkMLA(MultiHeadLatentAttention):
     """``MultiHeadLatentAttention`` plus the context-latent insert the drafter's precompute needs."""
 
-    def store_latent(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def store_latent(
+        self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         """Write ``[kv_c_normed | k_pe]`` (``[T, kv_lora_rank]``, ``[T, 1, rope]``) at ``slot_mapping [T]``.
 
         Through the backend's own insert, so the cache dtype (bf16 or fp8 with this layer's

@@ -12,12 +12,21 @@ from __future__ import annotations
 
 def ensure_single_process_runtime() -> None:
     """A world of one (TP=1, PP=1, gloo) and the CPU runner's accelerator no-ops; idempotent."""
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel, model_parallel_is_initialized
+    from vllm.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
     from vllm.utils.network_utils import get_open_port
     from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
     _set_torch_accelerator_to_noop()
     if not model_parallel_is_initialized():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}",
+        )
         initialize_model_parallel(1, 1)

@@ -21,12 +21,13 @@ from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
     FP8ScaledMMLinearKernel,
     FP8ScaledMMLinearLayerConfig,
 )
-from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8StaticChannelSym, kFp8StaticTensorSym
+from vllm.model_executor.layers.quantization.utils.quant_utils import (
+    kFp8StaticChannelSym,
+    kFp8StaticTensorSym,
+)
 from vllm.model_executor.layers.utils import cpu_unquantized_gemm, dispatch_cpu_unquantized_gemm
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
-
-__all__ = ["CPUDequantFP8W8A16LinearKernel", "install"]
 
 
 class CPUDequantFP8W8A16LinearKernel(FP8ScaledMMLinearKernel):
@@ -42,12 +43,17 @@ class CPUDequantFP8W8A16LinearKernel(FP8ScaledMMLinearKernel):
     def can_implement(cls, c: FP8ScaledMMLinearLayerConfig) -> tuple[bool, str | None]:
         # Per-tensor scales reach the kernel already expanded per channel by the scheme.
         if c.weight_quant_key not in (kFp8StaticChannelSym, kFp8StaticTensorSym):
-            return False, f"supports per-channel and per-tensor FP8 weights, not {c.weight_quant_key}"
+            return (
+                False,
+                f"supports per-channel and per-tensor FP8 weights, not {c.weight_quant_key}",
+            )
         return True, None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         # The scheme hands over the weight as (K, N) and a per-output-channel scale [N, 1].
-        weight = layer.weight.t().to(torch.float32) * layer.weight_scale.view(-1, 1).to(torch.float32)
+        weight = layer.weight.t().to(torch.float32) * layer.weight_scale.view(-1, 1).to(
+            torch.float32
+        )
         replace_parameter(layer, "weight", weight.to(self.config.out_dtype).contiguous())
         for name in ("weight_scale", "input_scale", "input_scale_ub"):
             if hasattr(layer, name):
@@ -60,7 +66,9 @@ class CPUDequantFP8W8A16LinearKernel(FP8ScaledMMLinearKernel):
         return cpu_unquantized_gemm(layer, x, layer.weight, bias)
 
     def apply_scaled_mm(self, **kwargs) -> torch.Tensor:
-        raise NotImplementedError("the weight is dequantized at load; apply_weights runs an unquantized GEMM")
+        raise NotImplementedError(
+            "the weight is dequantized at load; apply_weights runs an unquantized GEMM"
+        )
 
 
 def install() -> None:

@@ -21,7 +21,7 @@ Design:
 - **Attention** is vLLM's Kimi-K3 MLA layer on GPUs, so draft layers join the target's MLA KV-cache
   group; elsewhere a plain-torch layer with the same submodules (:mod:`vllm_dspark.attention`).
 - **Quantization.** One quantization-config instance serves every layer, built from the plan of
-  :mod:`vllm_dspark.quant_plan` (stored tensors first, reconciled with ``quantization_config``
+  :mod:`vllm_dspark.checkpoint.quant_plan` (stored tensors first, reconciled with ``quantization_config``
   under compressed-tensors' matching): a normalized compressed-tensors config that names the
   quantized modules by their runtime names (draft layers are numbered after the target's,
   ``model.layers.93-97`` for Kimi-K3), with ``packed_modules_mapping``. A config that conflicts
@@ -60,8 +60,14 @@ from vllm.models.common.ops.fused_allreduce_rms_norm import fused_allreduce_rms_
 from vllm.platforms import current_platform
 
 from vllm_dspark.attention import build_latent_attention, rotate_pe
-from vllm_dspark.layout import FUSED_GROUPS, checkpoint_modules
-from vllm_dspark.quant_plan import QuantPlan, QuantPlanError, is_stray, resolve_checkpoint, vllm_quantization_config
+from vllm_dspark.checkpoint.layout import FUSED_GROUPS, checkpoint_modules
+from vllm_dspark.checkpoint.quant_plan import (
+    QuantPlan,
+    QuantPlanError,
+    is_stray,
+    resolve_checkpoint,
+    vllm_quantization_config,
+)
 from vllm_dspark.safety import invalid_scale_count
 
 if TYPE_CHECKING:
@@ -69,8 +75,6 @@ if TYPE_CHECKING:
     from vllm.model_executor.layers.quantization import QuantizationConfig
 
     from vllm_dspark.config import K3DSparkConfig
-
-__all__ = ["K3DSparkForCausalLM", "K3DSparkModel"]
 
 logger = init_logger(__name__)
 
@@ -81,7 +85,9 @@ PACKED_MODULES_MAPPING: dict[str, list[str]] = {
     for fused, members in FUSED_GROUPS.items()
 }
 _FUSED_MEMBER: dict[str, tuple[str, int]] = {
-    member: (fused, shard) for fused, members in FUSED_GROUPS.items() for shard, member in enumerate(members)
+    member: (fused, shard)
+    for fused, members in FUSED_GROUPS.items()
+    for shard, member in enumerate(members)
 }
 _KV_A_KIND = "self_attn.kv_a_proj_with_mqa"
 
@@ -93,8 +99,14 @@ def _draft_dir(vllm_config: VllmConfig) -> Path:
         return Path(draft.model)
     from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
 
-    return Path(download_weights_from_hf(draft.model, vllm_config.load_config.download_dir,
-                                         ["*.safetensors", "*.json"], revision=draft.revision))
+    return Path(
+        download_weights_from_hf(
+            draft.model,
+            vllm_config.load_config.download_dir,
+            ["*.safetensors", "*.json"],
+            revision=draft.revision,
+        )
+    )
 
 
 def _draft_quant_config(
@@ -102,7 +114,7 @@ def _draft_quant_config(
 ) -> tuple[QuantizationConfig | None, QuantPlan]:
     """The one quantization config every draft layer uses, and the plan it was built from.
 
-    The plan is :func:`vllm_dspark.quant_plan.resolve`'s, from the stored tensors and config.json;
+    The plan is :func:`vllm_dspark.checkpoint.quant_plan.resolve`'s, from the stored tensors and config.json;
     vLLM gets it as one normalized compressed-tensors config naming the quantized modules by their
     runtime names (draft layers numbered after the target's), with ``packed_modules_mapping``.
     ``vllm_config.quant_config`` is the draft's only inside ``load_dspark_model``; anywhere else it
@@ -127,7 +139,9 @@ def _draft_quant_config(
     for warning in (plan.warning, plan.stray_warning()):
         if warning:
             logger.warning("K3 DSpark drafter %s: %s", draft_dir, warning)
-    normalized = vllm_quantization_config(plan, config, start_layer_id=start_layer_id, prefix=model_prefix)
+    normalized = vllm_quantization_config(
+        plan, config, start_layer_id=start_layer_id, prefix=model_prefix
+    )
     if normalized is None:
         return None, plan
     if current_platform.is_cpu():
@@ -148,11 +162,15 @@ def _log_linear_kernels(model: nn.Module) -> None:
     for name, module in model.named_modules():
         scheme = getattr(module, "scheme", None)
         if isinstance(module, LinearBase) and scheme is not None:
-            kernel = getattr(scheme, "linear_kernel", None) or getattr(scheme, "kernel", None) or scheme
+            kernel = (
+                getattr(scheme, "linear_kernel", None) or getattr(scheme, "kernel", None) or scheme
+            )
             by_kernel[f"{type(scheme).__name__} via {type(kernel).__name__}"].append(name)
     if by_kernel:
-        logger.info("K3 DSpark drafter quantized linears: %s",
-                    "; ".join(f"{kernel}: {', '.join(names)}" for kernel, names in by_kernel.items()))
+        logger.info(
+            "K3 DSpark drafter quantized linears: %s",
+            "; ".join(f"{kernel}: {', '.join(names)}" for kernel, names in by_kernel.items()),
+        )
 
 
 # vLLM's in-tree K3 drafter's context-KV path: one grouped rms_norm, one rotary_embedding and one
@@ -188,7 +206,9 @@ def _grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 class K3DSparkMLP(nn.Module):
     """SwiGLU MLP; ``down_proj``'s TP all-reduce is fused into the next RMSNorm."""
 
-    def __init__(self, *, config: K3DSparkConfig, quant_config: QuantizationConfig | None, prefix: str) -> None:
+    def __init__(
+        self, *, config: K3DSparkConfig, quant_config: QuantizationConfig | None, prefix: str
+    ) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size,
@@ -223,7 +243,10 @@ class K3DSparkDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = build_latent_attention(
-            config=config, cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.self_attn"
+            config=config,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            prefix=f"{prefix}.self_attn",
         )
         # Both row-parallel outputs stay un-reduced: fused_allreduce_rms_norm reduces them inside
         # the RMSNorm that follows.
@@ -239,9 +262,13 @@ class K3DSparkDecoderLayer(nn.Module):
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
-            hidden_states, residual = fused_allreduce_rms_norm(hidden_states, residual, self.input_layernorm)
+            hidden_states, residual = fused_allreduce_rms_norm(
+                hidden_states, residual, self.input_layernorm
+            )
         hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-        hidden_states, residual = fused_allreduce_rms_norm(hidden_states, residual, self.post_attention_layernorm)
+        hidden_states, residual = fused_allreduce_rms_norm(
+            hidden_states, residual, self.post_attention_layernorm
+        )
         return self.mlp(hidden_states), residual
 
 
@@ -297,7 +324,10 @@ class K3DSparkModel(nn.Module):
         self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         # Replicated and unquantized: the Markov head runs once per drafted position.
         self.markov_head = DSparkMarkovHead(
-            c.vocab_size, c.draft_vocab_size, c.markov_rank, prefix=maybe_prefix(prefix, "markov_head")
+            c.vocab_size,
+            c.draft_vocab_size,
+            c.markov_rank,
+            prefix=maybe_prefix(prefix, "markov_head"),
         )
         self.confidence_head: DSparkConfidenceHead | None = None
         if c.enable_confidence_head:
@@ -342,7 +372,9 @@ class K3DSparkModel(nn.Module):
         assert self._context_kv_norm_weight is not None, "process_weights_after_loading has not run"
         c = self.config
         num_layers = len(self.layers)
-        latent = self.context_kv_proj(context_states).view(-1, num_layers, c.kv_lora_rank + c.qk_rope_head_dim)
+        latent = self.context_kv_proj(context_states).view(
+            -1, num_layers, c.kv_lora_rank + c.qk_rope_head_dim
+        )
         kv_c, k_pe = latent.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         kv_c_normed = _grouped_rms_norm(kv_c, self._context_kv_norm_weight, c.rms_norm_eps)
         # All layers share one rotary table; the layer axis sits where heads would.
@@ -351,13 +383,18 @@ class K3DSparkModel(nn.Module):
             return
         for i, layer in enumerate(self.layers):
             slots = (
-                context_slot_mapping[i] if isinstance(context_slot_mapping, (list, tuple)) else context_slot_mapping
+                context_slot_mapping[i]
+                if isinstance(context_slot_mapping, (list, tuple))
+                else context_slot_mapping
             )
             if slots is not None:
                 layer.self_attn.store_latent(kv_c_normed[:, i], k_pe[:, i : i + 1], slots)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
@@ -405,7 +442,9 @@ class K3DSparkForCausalLM(nn.Module):
         # The target's lm_head, aliased by load_dspark_model. No placeholder: it would allocate a
         # full-vocabulary matrix only to be thrown away.
         self.lm_head: nn.Module | None = None
-        self.logits_processor = LogitsProcessor(self.config.draft_vocab_size, scale=self.config.logit_scale)
+        self.logits_processor = LogitsProcessor(
+            self.config.draft_vocab_size, scale=self.config.logit_scale
+        )
         self._weight_routes = _weight_routes(self.config)
 
     # ----- speculator hooks -----
@@ -414,7 +453,10 @@ class K3DSparkForCausalLM(nn.Module):
         return self.model.embed_input_ids(input_ids)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Post-final-norm hidden states of the query rows ``[T, hidden]``."""
         return self.model(input_ids, positions, inputs_embeds)
@@ -429,7 +471,9 @@ class K3DSparkForCausalLM(nn.Module):
         context_positions: torch.Tensor,
         context_slot_mapping: torch.Tensor | list[torch.Tensor | None] | None = None,
     ) -> None:
-        self.model.precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
+        self.model.precompute_and_store_context_kv(
+            context_states, context_positions, context_slot_mapping
+        )
 
     def get_draft_kv_cache_layer_names(self) -> list[str]:
         return [layer.self_attn.layer_name for layer in self.model.layers]
@@ -454,7 +498,9 @@ class K3DSparkForCausalLM(nn.Module):
         """``logit_scale * W2 m`` (``[R, markov_rank] -> [R, vocab]``)."""
         return self.model.markov_head.bias(markov_embed, self.logits_processor)
 
-    def compute_confidence(self, head_hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
+    def compute_confidence(
+        self, head_hidden: torch.Tensor, markov_embed: torch.Tensor
+    ) -> torch.Tensor:
         """Probability in (0, 1) that each drafted token is accepted given its prefix was."""
         assert self.model.confidence_head is not None
         return torch.sigmoid(self.model.confidence_head(head_hidden, markov_embed))
@@ -480,9 +526,11 @@ class K3DSparkForCausalLM(nn.Module):
                     f"{self.config.enable_confidence_head}). Fix: use the config.json written with these weights."
                 )
             if param_name.endswith("scale") and (bad := invalid_scale_count(tensor)):
-                raise ValueError(f"checkpoint tensor {name!r}: {bad} of {tensor.numel()} scale values are NaN, "
-                                 "infinite, zero or negative. Fix: re-quantize the BF16 checkpoint with "
-                                 "`vllm-dspark quantize`.")
+                raise ValueError(
+                    f"checkpoint tensor {name!r}: {bad} of {tensor.numel()} scale values are NaN, "
+                    "infinite, zero or negative. Fix: re-quantize the BF16 checkpoint with "
+                    "`vllm-dspark quantize`."
+                )
             for path, shard in routes:
                 target = f"{path}.{param_name}"
                 param = params.get(target)
@@ -505,7 +553,8 @@ class K3DSparkForCausalLM(nn.Module):
 
         expected = _expected_shards(self._weight_routes)
         unfilled = [
-            f"{name}" + (f" (missing shards {sorted(want - filled[name])})" if len(want) > 1 else "")
+            f"{name}"
+            + (f" (missing shards {sorted(want - filled[name])})" if len(want) > 1 else "")
             for name in params
             if filled[name] != (want := expected.get(name.rpartition(".")[0], {None}))
         ]
@@ -564,5 +613,7 @@ def _no_parameter_message(name: str, target: str, module: str, params: dict[str,
         built = f"the checkpoint stores {module} quantized, but its quantization_config does not quantize it"
     else:
         built = f"{module} has no {param_name!r} in this model"
-    return (f"checkpoint tensor {name!r} has no parameter {target!r}: {built}. Fix: use the config.json written "
-            "with these weights.")
+    return (
+        f"checkpoint tensor {name!r} has no parameter {target!r}: {built}. Fix: use the config.json written "
+        "with these weights."
+    )

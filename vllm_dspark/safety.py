@@ -26,18 +26,6 @@ from pathlib import Path
 
 import torch
 
-__all__ = [
-    "Interrupted",
-    "check_output",
-    "describe_os_error",
-    "invalid_scale_count",
-    "refuse_nonempty",
-    "require_finite",
-    "signals_raise",
-    "spill_dir",
-    "staged",
-]
-
 _STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?:partial|old)-(?P<pid>\d+)$")
 _SPILL_PREFIX = "vllm-dspark-eval-"
 _SPILL_RE = re.compile(rf"^{_SPILL_PREFIX}(?P<pid>\d+)-")
@@ -69,17 +57,23 @@ def check_output(output: str | Path, inputs: Iterable[str | Path | None], *, fla
             relation = "contains"
         else:
             continue
-        raise ValueError(f"{flag} {output} {relation} the input {given}; tools never write into their inputs. "
-                         f"Fix: choose an output path outside {given}.")
+        raise ValueError(
+            f"{flag} {output} {relation} the input {given}; tools never write into their inputs. "
+            f"Fix: choose an output path outside {given}."
+        )
 
 
 def refuse_nonempty(output: Path, *, overwrite: bool, flag: str) -> None:
     """Refuse to replace a non-file or a non-empty directory at ``output`` unless ``overwrite``."""
     if output.exists() and not output.is_dir():
-        raise ValueError(f"{flag} {output} exists and is not a directory. Fix: choose a directory path.")
+        raise ValueError(
+            f"{flag} {output} exists and is not a directory. Fix: choose a directory path."
+        )
     if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise ValueError(f"{flag} {output} exists and is not empty. Fix: pass --overwrite to replace it, or choose "
-                         "another directory.")
+        raise ValueError(
+            f"{flag} {output} exists and is not empty. Fix: pass --overwrite to replace it, or choose "
+            "another directory."
+        )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -113,7 +107,10 @@ def _sweep(folder: Path, pattern: re.Pattern[str], *, name: str | None = None) -
         if pid == os.getpid() or _pid_alive(pid):
             continue
         _remove(entry)
-        print(f"vllm-dspark: removed {entry}, left behind by an interrupted run (PID {pid} is gone)", file=sys.stderr)
+        print(
+            f"vllm-dspark: removed {entry}, left behind by an interrupted run (PID {pid} is gone)",
+            file=sys.stderr,
+        )
 
 
 @contextmanager
@@ -127,8 +124,10 @@ def staged(target: str | Path, *, directory: bool, merge: bool = False) -> Itera
     parent = target.parent
     existing = next(p for p in (parent, *parent.parents) if p.exists())
     if not existing.is_dir():
-        raise ValueError(f"{existing} is a file, not a directory, so {target} cannot be written. Fix: choose an output "
-                         "path inside a directory.")
+        raise ValueError(
+            f"{existing} is a file, not a directory, so {target} cannot be written. Fix: choose an output "
+            "path inside a directory."
+        )
     parent.mkdir(parents=True, exist_ok=True)
     _sweep(parent, _STAGING_RE, name=target.name)
     staging = parent / f".{target.name}.partial-{os.getpid()}"
@@ -220,7 +219,9 @@ def require_finite(tensor: torch.Tensor, name: str, fix: str) -> None:
     if tensor.is_floating_point():
         bad = tensor.numel() - int(torch.isfinite(tensor).sum())
         if bad:
-            raise ValueError(f"{name}: {bad} of {tensor.numel()} values are NaN or infinite. Fix: {fix}.")
+            raise ValueError(
+                f"{name}: {bad} of {tensor.numel()} values are NaN or infinite. Fix: {fix}."
+            )
 
 
 def invalid_scale_count(scale: torch.Tensor) -> int:
@@ -233,5 +234,7 @@ def invalid_scale_count(scale: torch.Tensor) -> int:
     if scale.dtype == torch.uint8:
         return int((scale == 255).sum())
     values = scale.float()
-    positive = values >= 0 if scale.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else values > 0
+    positive = (
+        values >= 0 if scale.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else values > 0
+    )
     return int((~torch.isfinite(values) | ~positive).sum())

@@ -11,7 +11,7 @@ Method:
   weights, BF16 compute — what ships) is measured as a variant: its drift is the noise floor.
   Formats are never referenced against BF16, which would credit them with BF16's own error.
 - Variants: ``bf16``; ``fp8`` / ``mxfp4`` / ``nvfp4`` quantized on the fly from the model
-  directory (quantize -> dequantize with ``vllm_dspark.formats`` on exactly the modules the recipe
+  directory (quantize -> dequantize with ``vllm_dspark.checkpoint.formats`` on exactly the modules the recipe
   names, ``--include-layers``, default the published FP8 build's) and computed in BF16 like the
   served weight-only kernels; or a checkpoint directory (e.g. written by ``vllm-dspark quantize``),
   dequantized and computed in BF16. ``fp32`` (the reference against itself) is the sanity check:

@@ -12,12 +12,22 @@ from pathlib import Path
 import torch
 
 import vllm_dspark.drift as drift_pkg
-from vllm_dspark import formats
+from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint.layout import FP8_RECIPE
 from vllm_dspark.drift.harness import default_variants
-from vllm_dspark.layout import FP8_RECIPE
 from vllm_dspark.safety import check_output, staged
 
-DEFAULT_SWEEP: tuple[int, ...] = (1 << 10, 1 << 12, 1 << 14, 1 << 15, 1 << 16, 1 << 17, 1 << 18, 1 << 19, 1023 << 10)
+DEFAULT_SWEEP: tuple[int, ...] = (
+    1 << 10,
+    1 << 12,
+    1 << 14,
+    1 << 15,
+    1 << 16,
+    1 << 17,
+    1 << 18,
+    1 << 19,
+    1023 << 10,
+)
 
 
 def parse_position(text: str) -> int:
@@ -38,31 +48,68 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=drift_pkg.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", required=True, help="the unquantized drafter directory (the reference)")
-    parser.add_argument("--variants", nargs="+", default=list(default_variants()),
-                        help=f"bf16, {', '.join(formats.names())} (quantized on the fly), fp32 (self-check), or "
-                        f"checkpoint directories (default: {' '.join(default_variants())})")
-    parser.add_argument("--regimes", nargs="+", default=["gauss", "heavy", "boot"],
-                        choices=["gauss", "heavy", "boot"], help="aux hidden-state regimes (default: all three)")
-    parser.add_argument("--blocks", type=int, default=1024, help="blocks per regime and position (default 1024)")
+    parser.add_argument(
+        "--model", required=True, help="the unquantized drafter directory (the reference)"
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(default_variants()),
+        help=f"bf16, {', '.join(formats.names())} (quantized on the fly), fp32 (self-check), or "
+        f"checkpoint directories (default: {' '.join(default_variants())})",
+    )
+    parser.add_argument(
+        "--regimes",
+        nargs="+",
+        default=["gauss", "heavy", "boot"],
+        choices=["gauss", "heavy", "boot"],
+        help="aux hidden-state regimes (default: all three)",
+    )
+    parser.add_argument(
+        "--blocks", type=int, default=1024, help="blocks per regime and position (default 1024)"
+    )
     parser.add_argument("--out", required=True, help="results directory")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--positions", nargs="*", type=parse_position, default=None,
-                        help="anchor positions to sweep (e.g. 1k 32k 128k 1M); with no values: "
-                        + " ".join(str(p) for p in DEFAULT_SWEEP) + ". The base position --context-len is always run.")
-    parser.add_argument("--corpus", default=None,
-                        help="token stream: .npy / .json / .txt token ids, or a text file with --tokenizer "
-                        "(default: a small built-in corpus, byte-level ids)")
-    parser.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer directory for a text --corpus")
-    parser.add_argument("--context-len", type=int, default=32, help="context tokens before each block (default 32)")
-    parser.add_argument("--target", default=None,
-                        help="the target's directory (shared embedding and lm_head; default MODEL/target)")
-    parser.add_argument("--include-layers", nargs="+", default=list(FP8_RECIPE),
-                        help="module kinds quantized by the on-the-fly formats (default: the published FP8 "
-                        "build's: " + " ".join(FP8_RECIPE) + ")")
-    parser.add_argument("--batch-size", type=int, default=32, help="blocks per forward pass (default 32)")
-    parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    parser.add_argument(
+        "--positions",
+        nargs="*",
+        type=parse_position,
+        default=None,
+        help="anchor positions to sweep (e.g. 1k 32k 128k 1M); with no values: "
+        + " ".join(str(p) for p in DEFAULT_SWEEP)
+        + ". The base position --context-len is always run.",
+    )
+    parser.add_argument(
+        "--corpus",
+        default=None,
+        help="token stream: .npy / .json / .txt token ids, or a text file with --tokenizer "
+        "(default: a small built-in corpus, byte-level ids)",
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="Hugging Face tokenizer directory for a text --corpus"
+    )
+    parser.add_argument(
+        "--context-len", type=int, default=32, help="context tokens before each block (default 32)"
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="the target's directory (shared embedding and lm_head; default MODEL/target)",
+    )
+    parser.add_argument(
+        "--include-layers",
+        nargs="+",
+        default=list(FP8_RECIPE),
+        help="module kinds quantized by the on-the-fly formats (default: the published FP8 "
+        "build's: " + " ".join(FP8_RECIPE) + ")",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="blocks per forward pass (default 32)"
+    )
+    parser.add_argument(
+        "--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -76,16 +123,33 @@ def main(argv: list[str] | None = None) -> int:
 
     positions = () if args.positions is None else tuple(args.positions or DEFAULT_SWEEP)
     spec = EvalSpec(
-        model=args.model, variants=tuple(args.variants), regimes=tuple(dict.fromkeys(args.regimes)),
-        blocks=args.blocks, batch_size=args.batch_size, context_len=args.context_len, positions=positions,
-        seed=args.seed, device=args.device, corpus=args.corpus, tokenizer=args.tokenizer, target=args.target,
-        include_layers=tuple(args.include_layers), resamples=args.resamples, progress=not args.no_progress,
+        model=args.model,
+        variants=tuple(args.variants),
+        regimes=tuple(dict.fromkeys(args.regimes)),
+        blocks=args.blocks,
+        batch_size=args.batch_size,
+        context_len=args.context_len,
+        positions=positions,
+        seed=args.seed,
+        device=args.device,
+        corpus=args.corpus,
+        tokenizer=args.tokenizer,
+        target=args.target,
+        include_layers=tuple(args.include_layers),
+        resamples=args.resamples,
+        progress=not args.no_progress,
     )
     out = Path(args.out)
-    checkpoints = [v for v in args.variants if Path(v).exists()]  # not the built-in names (bf16, fp8, ...)
-    check_output(out, [args.model, *checkpoints, args.corpus, args.tokenizer, args.target], flag="--out")
+    checkpoints = [
+        v for v in args.variants if Path(v).exists()
+    ]  # not the built-in names (bf16, fp8, ...)
+    check_output(
+        out, [args.model, *checkpoints, args.corpus, args.tokenizer, args.target], flag="--out"
+    )
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory. Fix: pass a results directory.")
+        raise ValueError(
+            f"--out {out} exists and is not a directory. Fix: pass a results directory."
+        )
     # Staged from the start: an unwritable --out fails now, not after the run, and an interrupted or
     # failed run leaves no truncated results.json.
     with staged(out, directory=True, merge=True) as staging:
@@ -99,6 +163,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from vllm_dspark.cli import main as cli_main
+    from vllm_dspark.tools.cli import main as cli_main
 
     sys.exit(cli_main(["eval", *sys.argv[1:]]))

@@ -28,22 +28,32 @@ def _is_id(t) -> bool:
 
 
 def _ids_from_json(obj) -> np.ndarray:
-    if isinstance(obj, list) and obj and all(isinstance(doc, list) and all(map(_is_id, doc)) for doc in obj):
+    if (
+        isinstance(obj, list)
+        and obj
+        and all(isinstance(doc, list) and all(map(_is_id, doc)) for doc in obj)
+    ):
         return np.concatenate([np.asarray(doc, dtype=np.int64) for doc in obj])
     if isinstance(obj, list) and all(map(_is_id, obj)):
         return np.asarray(obj, dtype=np.int64)
-    raise ValueError("a .json corpus must be a list of integer token ids or a list of lists of them "
-                     "(a float would be truncated to a different id)")
+    raise ValueError(
+        "a .json corpus must be a list of integer token ids or a list of lists of them "
+        "(a float would be truncated to a different id)"
+    )
 
 
 def _ids_from_npy(path: Path) -> np.ndarray:
     try:
         ids = np.load(path, allow_pickle=False)
     except (ValueError, EOFError) as e:
-        raise ValueError(f"{path} is not a .npy array file ({e}). Fix: save the token ids with numpy.save") from None
+        raise ValueError(
+            f"{path} is not a .npy array file ({e}). Fix: save the token ids with numpy.save"
+        ) from None
     if not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"{path} holds {ids.dtype} values, not integer token ids (a float would be truncated to a "
-                         "different id). Fix: save the token ids as an integer array, e.g. np.int64")
+        raise ValueError(
+            f"{path} holds {ids.dtype} values, not integer token ids (a float would be truncated to a "
+            "different id). Fix: save the token ids as an integer array, e.g. np.int64"
+        )
     return ids.astype(np.int64).ravel()
 
 
@@ -57,8 +67,9 @@ def _ids_from_txt(text: str, path: Path) -> np.ndarray:
     return np.asarray([int(f) for f in fields], dtype=np.int64)
 
 
-def load_corpus(path: str | Path | None = None, *, tokenizer: str | Path | None = None,
-                vocab_size: int) -> tuple[np.ndarray, str]:
+def load_corpus(
+    path: str | Path | None = None, *, tokenizer: str | Path | None = None, vocab_size: int
+) -> tuple[np.ndarray, str]:
     """The token stream and a one-line description of where it came from.
 
     Raises ``ValueError`` if an id falls outside ``[0, vocab_size)``.
@@ -71,13 +82,18 @@ def load_corpus(path: str | Path | None = None, *, tokenizer: str | Path | None 
     else:
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"--corpus {path} {'is a directory' if path.is_dir() else 'does not exist'}. Fix: pass a "
-                             ".npy / .json / .txt file of token ids, or a text file with --tokenizer DIR")
+            raise ValueError(
+                f"--corpus {path} {'is a directory' if path.is_dir() else 'does not exist'}. Fix: pass a "
+                ".npy / .json / .txt file of token ids, or a text file with --tokenizer DIR"
+            )
         if tokenizer is not None:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(tokenizer))
-            ids = np.asarray(tok.encode(path.read_text(encoding="utf-8"), add_special_tokens=False), dtype=np.int64)
+            ids = np.asarray(
+                tok.encode(path.read_text(encoding="utf-8"), add_special_tokens=False),
+                dtype=np.int64,
+            )
             source = f"{path} tokenized with {tokenizer}"
         elif path.suffix == ".npy":
             ids = _ids_from_npy(path)
@@ -89,14 +105,18 @@ def load_corpus(path: str | Path | None = None, *, tokenizer: str | Path | None 
             ids = _ids_from_txt(path.read_text(encoding="utf-8"), path)
             source = str(path)
         else:
-            raise ValueError(f"{path}: unsupported corpus file; use .npy, .json or .txt token ids, "
-                             "or a text file with --tokenizer DIR")
+            raise ValueError(
+                f"{path}: unsupported corpus file; use .npy, .json or .txt token ids, "
+                "or a text file with --tokenizer DIR"
+            )
     if ids.size == 0:
         raise ValueError(f"the corpus ({source}) is empty")
     bad = (ids < 0) | (ids >= vocab_size)
     if bad.any():
-        raise ValueError(f"the corpus ({source}) holds ids outside the drafter's vocabulary [0, {vocab_size}), "
-                         f"e.g. {int(ids[bad][0])}; tokenize with the target's tokenizer")
+        raise ValueError(
+            f"the corpus ({source}) holds ids outside the drafter's vocabulary [0, {vocab_size}), "
+            f"e.g. {int(ids[bad][0])}; tokenize with the target's tokenizer"
+        )
     return ids, source
 
 
@@ -108,7 +128,9 @@ def window_starts(stream_len: int, window: int, num_blocks: int, seed: int) -> n
     artificially, so give a longer ``--corpus`` for large ``--blocks``.
     """
     if stream_len < window:
-        raise ValueError(f"the corpus has {stream_len} tokens; a block needs {window} (context_len + 1)")
+        raise ValueError(
+            f"the corpus has {stream_len} tokens; a block needs {window} (context_len + 1)"
+        )
     choices = stream_len - window + 1
     rng = np.random.default_rng([seed, 0xC0])
     return rng.choice(choices, size=num_blocks, replace=num_blocks > choices).astype(np.int64)

@@ -24,17 +24,22 @@ import torch
 from tqdm import tqdm
 
 import vllm_dspark.drift as drift_pkg
-from vllm_dspark import formats
-from vllm_dspark.checkpoint import load_drafter_state_dict, load_target_heads
+from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint.layout import (
+    FP8_RECIPE,
+    checkpoint_modules,
+    fused_module_groups,
+    tensor_shapes,
+)
+from vllm_dspark.checkpoint.quant_plan import resolve_checkpoint
+from vllm_dspark.checkpoint.store import load_drafter_state_dict, load_target_heads
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.drift import corpus as corpus_mod
 from vllm_dspark.drift import metrics
 from vllm_dspark.drift.regimes import HEAVY_SIGMA, REGIMES, boot_aux, synthetic_aux
-from vllm_dspark.layout import FP8_RECIPE, checkpoint_modules, fused_module_groups, tensor_shapes
-from vllm_dspark.quant_plan import resolve_checkpoint
-from vllm_dspark.reference import ReferenceDrafter
+from vllm_dspark.ops.sampling import markov_rollout
+from vllm_dspark.reference.drafter import ReferenceDrafter
 from vllm_dspark.safety import require_finite, spill_dir
-from vllm_dspark.sampling import markov_rollout
 from vllm_dspark.version import __version__
 
 SELF_CHECK = "fp32"  # a second, independently loaded reference: agreement 1, KL 0
@@ -60,7 +65,9 @@ class EvalSpec:
     blocks: int = 1024
     batch_size: int = 32
     context_len: int = 32
-    positions: tuple[int, ...] = ()  # anchor positions to sweep, beyond the base position context_len
+    positions: tuple[
+        int, ...
+    ] = ()  # anchor positions to sweep, beyond the base position context_len
     seed: int = 0
     device: str = "cpu"
     corpus: str | None = None
@@ -76,7 +83,7 @@ class EvalSpec:
         return sorted({self.context_len, *self.positions})
 
 
-# ----- inputs --------------------------------------------------------------------------------------
+# ----- inputs -----
 
 
 @dataclass
@@ -85,7 +92,9 @@ class Blocks:
 
     windows: torch.Tensor  # [blocks, context_len + 1] int64
     source: str
-    boot: torch.Tensor | None = None  # [blocks, context_len, aux width] bf16, when the boot regime runs
+    boot: torch.Tensor | None = (
+        None  # [blocks, context_len, aux width] bf16, when the boot regime runs
+    )
 
     @property
     def anchors(self) -> torch.Tensor:
@@ -101,7 +110,9 @@ class Batch:
     block_positions: torch.Tensor  # [B, N]
 
 
-def batches(spec: EvalSpec, config: K3DSparkConfig, blocks: Blocks, regime: str, position: int) -> Iterator[Batch]:
+def batches(
+    spec: EvalSpec, config: K3DSparkConfig, blocks: Blocks, regime: str, position: int
+) -> Iterator[Batch]:
     """The blocks of one (regime, anchor position) cell in fixed batches, on ``spec.device``."""
     t, n = spec.context_len, config.block_size
     dev = spec.device
@@ -110,8 +121,15 @@ def batches(spec: EvalSpec, config: K3DSparkConfig, blocks: Blocks, regime: str,
         if regime == "boot":
             aux = blocks.boot[ids]
         else:
-            aux = synthetic_aux(regime, ids.tolist(), t, config.num_target_layers, config.target_hidden_size,
-                                spec.seed, heavy_sigma=spec.heavy_sigma)
+            aux = synthetic_aux(
+                regime,
+                ids.tolist(),
+                t,
+                config.num_target_layers,
+                config.target_hidden_size,
+                spec.seed,
+                heavy_sigma=spec.heavy_sigma,
+            )
         b = len(ids)
         yield Batch(
             ids=ids,
@@ -123,14 +141,18 @@ def batches(spec: EvalSpec, config: K3DSparkConfig, blocks: Blocks, regime: str,
 
 
 def make_blocks(spec: EvalSpec, config: K3DSparkConfig, reference: ReferenceDrafter) -> Blocks:
-    stream, source = corpus_mod.load_corpus(spec.corpus, tokenizer=spec.tokenizer, vocab_size=config.vocab_size)
+    stream, source = corpus_mod.load_corpus(
+        spec.corpus, tokenizer=spec.tokenizer, vocab_size=config.vocab_size
+    )
     window = spec.context_len + 1
     starts = corpus_mod.window_starts(len(stream), window, spec.blocks, spec.seed)
     windows = torch.from_numpy(np.stack([stream[s : s + window] for s in starts]))
     blocks = Blocks(windows=windows, source=source)
     if "boot" in spec.regimes:
         parts = []
-        with tqdm(total=spec.blocks, desc="boot aux states", unit="block", disable=not spec.progress) as bar:
+        with tqdm(
+            total=spec.blocks, desc="boot aux states", unit="block", disable=not spec.progress
+        ) as bar:
             for start in range(0, spec.blocks, spec.batch_size):
                 ids = windows[start : start + spec.batch_size, :-1].to(spec.device)
                 parts.append(boot_aux(reference, ids, config.num_target_layers).cpu())
@@ -139,7 +161,7 @@ def make_blocks(spec: EvalSpec, config: K3DSparkConfig, reference: ReferenceDraf
     return blocks
 
 
-# ----- drafters ------------------------------------------------------------------------------------
+# ----- drafters -----
 
 
 @dataclass
@@ -151,20 +173,31 @@ class Heads:
 def load_reference(spec: EvalSpec) -> tuple[K3DSparkConfig, ReferenceDrafter, Heads]:
     """The FP32 reference, refusing a quantized ``--model`` (it would not be a reference)."""
     if resolve_checkpoint(spec.model).modules:
-        raise ValueError(f"{spec.model} is quantized; --model must be the unquantized drafter the reference is built "
-                         "from. Pass quantized checkpoints as --variants.")
+        raise ValueError(
+            f"{spec.model} is quantized; --model must be the unquantized drafter the reference is built "
+            "from. Pass quantized checkpoints as --variants."
+        )
     config, state_dict = load_drafter_state_dict(spec.model, dtype=None)
-    state_dict.pop("embed_tokens.weight", None)  # the target's embedding is used; free the drafter's copy now
+    state_dict.pop(
+        "embed_tokens.weight", None
+    )  # the target's embedding is used; free the drafter's copy now
     target = spec.target or str(Path(spec.model) / "target")
     embed, lm_head = load_target_heads(target, dtype=None)
     heads = Heads(embed.to(spec.device), lm_head.to(spec.device))
-    reference = ReferenceDrafter.from_state_dict(config, state_dict, embed_tokens=heads.embed, lm_head=heads.lm_head,
-                                                 compute_dtype=torch.float32, device=spec.device)
+    reference = ReferenceDrafter.from_state_dict(
+        config,
+        state_dict,
+        embed_tokens=heads.embed,
+        lm_head=heads.lm_head,
+        compute_dtype=torch.float32,
+        device=spec.device,
+    )
     return config, reference, heads
 
 
-def quantize_on_the_fly(state_dict: dict[str, torch.Tensor], config: K3DSparkConfig, fmt: str,
-                        include: Sequence[str]) -> list[str]:
+def quantize_on_the_fly(
+    state_dict: dict[str, torch.Tensor], config: K3DSparkConfig, fmt: str, include: Sequence[str]
+) -> list[str]:
     """Replace, in place, each included linear's weight by its ``fmt`` round trip; returns the modules.
 
     Fused groups (gate/up per layer; q_a/kv_a across layers) share one global scale (NVFP4), as vLLM
@@ -181,7 +214,9 @@ def quantize_on_the_fly(state_dict: dict[str, torch.Tensor], config: K3DSparkCon
     for name in modules:
         key = f"{name}.weight"
         weight = state_dict[key]
-        state_dict[key] = quant.fake_quantize(weight, global_scale=global_scales.get(name)).to(weight.dtype)
+        state_dict[key] = quant.fake_quantize(weight, global_scale=global_scales.get(name)).to(
+            weight.dtype
+        )
     return modules
 
 
@@ -189,24 +224,35 @@ def variant_label(name: str) -> str:
     return name if name in builtin_variants() else Path(name).name
 
 
-def check_same_model(name: str, state_dict: dict[str, torch.Tensor], quantized: Container[str],
-                     reference: ReferenceDrafter) -> None:
+def check_same_model(
+    name: str,
+    state_dict: dict[str, torch.Tensor],
+    quantized: Container[str],
+    reference: ReferenceDrafter,
+) -> None:
     """Refuse a variant whose unquantized tensors (modules not in ``quantized``) differ from the reference's.
 
     Compared in the variant's loaded dtype, to which both sides were cast the same way.
     """
     ours = reference.state_dict()
-    differ = [key for key, tensor in state_dict.items()
-              if key.rpartition(".")[0] not in quantized and key in ours
-              and not torch.equal(tensor, ours[key].to(tensor.device, tensor.dtype))]
+    differ = [
+        key
+        for key, tensor in state_dict.items()
+        if key.rpartition(".")[0] not in quantized
+        and key in ours
+        and not torch.equal(tensor, ours[key].to(tensor.device, tensor.dtype))
+    ]
     if differ:
-        raise ValueError(f"variant {name} is not a build of the reference: {len(differ)} unquantized tensor(s) differ "
-                         f"from the reference's ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}). Fix: "
-                         "quantize the --model checkpoint itself, or pass the --model it was quantized from.")
+        raise ValueError(
+            f"variant {name} is not a build of the reference: {len(differ)} unquantized tensor(s) differ "
+            f"from the reference's ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}). Fix: "
+            "quantize the --model checkpoint itself, or pass the --model it was quantized from."
+        )
 
 
-def load_variant(name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads,
-                 reference: ReferenceDrafter) -> tuple[ReferenceDrafter, str]:
+def load_variant(
+    name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads, reference: ReferenceDrafter
+) -> tuple[ReferenceDrafter, str]:
     """A BF16-computed variant and a description of where its weights came from."""
     if name in default_variants():
         _, state_dict = load_drafter_state_dict(spec.model, dtype=torch.bfloat16)
@@ -219,23 +265,35 @@ def load_variant(name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads
         variant_config, state_dict = load_drafter_state_dict(name, dtype=torch.bfloat16)
         state_dict.pop("embed_tokens.weight", None)
         if tensor_shapes(variant_config) != tensor_shapes(config):
-            raise ValueError(f"variant {name} is not a build of {spec.model}: its config implies different shapes")
+            raise ValueError(
+                f"variant {name} is not a build of {spec.model}: its config implies different shapes"
+            )
         plan = resolve_checkpoint(name)
         check_same_model(name, state_dict, plan.modules, reference)
         stored = sorted(set(plan.modules.values()))
         source = f"checkpoint {name} ({'quantized: ' + ', '.join(stored) if stored else 'unquantized'}), in BF16"
     else:
-        raise ValueError(f"unknown variant {name!r}: use one of {', '.join(builtin_variants())} "
-                         "or a checkpoint directory")
-    drafter = ReferenceDrafter.from_state_dict(config, state_dict, embed_tokens=heads.embed, lm_head=heads.lm_head,
-                                               compute_dtype=torch.bfloat16, device=spec.device)
+        raise ValueError(
+            f"unknown variant {name!r}: use one of {', '.join(builtin_variants())} "
+            "or a checkpoint directory"
+        )
+    drafter = ReferenceDrafter.from_state_dict(
+        config,
+        state_dict,
+        embed_tokens=heads.embed,
+        lm_head=heads.lm_head,
+        compute_dtype=torch.bfloat16,
+        device=spec.device,
+    )
     return drafter, source
 
 
-# ----- passes --------------------------------------------------------------------------------------
+# ----- passes -----
 
 
-def backbone(drafter: ReferenceDrafter, batch: Batch, *, absorbed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def backbone(
+    drafter: ReferenceDrafter, batch: Batch, *, absorbed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One parallel block pass from the shared aux states: ``(hidden [B, N, H], base logits [B, N, V])``."""
     context = drafter.combine_hidden_states(batch.aux)
     kv = drafter.context_kv(context, batch.context_positions)
@@ -243,14 +301,18 @@ def backbone(drafter: ReferenceDrafter, batch: Batch, *, absorbed: bool) -> tupl
     return hidden, drafter.base_logits(hidden)
 
 
-def confidence(drafter: ReferenceDrafter, hidden: torch.Tensor, markov_embeds: torch.Tensor) -> torch.Tensor:
+def confidence(
+    drafter: ReferenceDrafter, hidden: torch.Tensor, markov_embeds: torch.Tensor
+) -> torch.Tensor:
     if drafter.confidence_head is None:
         return torch.full(hidden.shape[:-1], float("nan"))
     return drafter.confidence(hidden, markov_embeds).float()
 
 
-_NON_FINITE_FIX = ("its weights or the target heads hold NaN or Inf values, or scales overflow: run `vllm-dspark "
-                   "check` on it and re-export or re-quantize it")
+_NON_FINITE_FIX = (
+    "its weights or the target heads hold NaN or Inf values, or scales overflow: run `vllm-dspark "
+    "check` on it and re-export or re-quantize it"
+)
 
 
 @dataclass
@@ -266,12 +328,21 @@ class ReferenceCell:
 
 
 @torch.inference_mode()
-def reference_cell(reference: ReferenceDrafter, cell_batches: Iterator[Batch], spill: Path, shape: tuple[int, ...],
-                   bar: tqdm) -> ReferenceCell:
-    out = ReferenceCell(logits=np.lib.format.open_memmap(spill, mode="w+", dtype=np.float32, shape=shape))
+def reference_cell(
+    reference: ReferenceDrafter,
+    cell_batches: Iterator[Batch],
+    spill: Path,
+    shape: tuple[int, ...],
+    bar: tqdm,
+) -> ReferenceCell:
+    out = ReferenceCell(
+        logits=np.lib.format.open_memmap(spill, mode="w+", dtype=np.float32, shape=shape)
+    )
     for batch in cell_batches:
         hidden, logits = backbone(reference, batch, absorbed=False)
-        rollout = markov_rollout(logits, batch.anchors, reference.markov_embed, reference.markov_bias)
+        rollout = markov_rollout(
+            logits, batch.anchors, reference.markov_embed, reference.markov_bias
+        )
         require_finite(rollout.logits, "the reference's logits", _NON_FINITE_FIX)
         out.logits[batch.ids[0] : batch.ids[-1] + 1] = rollout.logits.cpu().numpy()
         out.tokens.append(rollout.tokens)
@@ -281,76 +352,104 @@ def reference_cell(reference: ReferenceDrafter, cell_batches: Iterator[Batch], s
     return out
 
 
-def _divergence(ref_logits: torch.Tensor, var_logits: torch.Tensor, rows: int = 4) -> metrics.TokenDivergence:
+def _divergence(
+    ref_logits: torch.Tensor, var_logits: torch.Tensor, rows: int = 4
+) -> metrics.TokenDivergence:
     """:func:`metrics.token_divergence` a few blocks at a time: its float64 temporaries are
     ~10 x ``[rows, N, V]``, a few hundred MiB per 4 blocks at V = 163840."""
-    parts = [metrics.token_divergence(r, v) for r, v in zip(ref_logits.split(rows), var_logits.split(rows))]
+    parts = [
+        metrics.token_divergence(r, v)
+        for r, v in zip(ref_logits.split(rows), var_logits.split(rows))
+    ]
     fields = ("overlap", "kl", "reverse_kl")
     return metrics.TokenDivergence(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
 
 
 @torch.inference_mode()
-def variant_cell(variant: ReferenceDrafter, ref: ReferenceCell, cell_batches: Iterator[Batch], bar: tqdm,
-                 variant_name: str, *, absorbed: bool) -> metrics.BlockRecords:
+def variant_cell(
+    variant: ReferenceDrafter,
+    ref: ReferenceCell,
+    cell_batches: Iterator[Batch],
+    bar: tqdm,
+    variant_name: str,
+    *,
+    absorbed: bool,
+) -> metrics.BlockRecords:
     parts = []
     for i, batch in enumerate(cell_batches):
         ref_tokens = ref.tokens[i]
         forced = torch.cat([batch.anchors[:, None], ref_tokens[:, :-1]], dim=1)
         hidden, logits = backbone(variant, batch, absorbed=absorbed)
         free = markov_rollout(logits, batch.anchors, variant.markov_embed, variant.markov_bias)
-        forced_var = markov_rollout(logits, batch.anchors, variant.markov_embed, variant.markov_bias,
-                                    forced_prev=forced)
+        forced_var = markov_rollout(
+            logits, batch.anchors, variant.markov_embed, variant.markov_bias, forced_prev=forced
+        )
         var_conf = confidence(variant, hidden, free.markov_embeds)
         del logits
         # NaN logits argmax to token 0 on both sides: refused, so they never count as agreement.
         for rollout in (free, forced_var):
             require_finite(rollout.logits, f"variant {variant_name}'s logits", _NON_FINITE_FIX)
         div = _divergence(ref.batch_logits(batch).to(forced_var.logits.device), forced_var.logits)
-        parts.append(metrics.BlockRecords(
-            tf_agree=(forced_var.tokens == ref_tokens).cpu().numpy(),
-            rollout_agree=(free.tokens == ref_tokens).cpu().numpy(),
-            overlap=div.overlap.cpu().numpy(),
-            kl=div.kl.cpu().numpy(),
-            reverse_kl=div.reverse_kl.cpu().numpy(),
-            ref_conf=ref.conf[i].cpu().numpy(),
-            var_conf=var_conf.cpu().numpy(),
-        ))
+        parts.append(
+            metrics.BlockRecords(
+                tf_agree=(forced_var.tokens == ref_tokens).cpu().numpy(),
+                rollout_agree=(free.tokens == ref_tokens).cpu().numpy(),
+                overlap=div.overlap.cpu().numpy(),
+                kl=div.kl.cpu().numpy(),
+                reverse_kl=div.reverse_kl.cpu().numpy(),
+                ref_conf=ref.conf[i].cpu().numpy(),
+                var_conf=var_conf.cpu().numpy(),
+            )
+        )
         bar.update(len(batch.ids))
     return metrics.BlockRecords.concat(parts)
 
 
-# ----- the run -------------------------------------------------------------------------------------
+# ----- the run -----
 
 
 def versions() -> dict[str, str]:
     import compressed_tensors
     import transformers
 
-    return {"vllm_dspark": __version__, "torch": torch.__version__, "numpy": np.__version__,
-            "transformers": transformers.__version__, "compressed_tensors": compressed_tensors.__version__,
-            "python": platform.python_version()}
+    return {
+        "vllm_dspark": __version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "transformers": transformers.__version__,
+        "compressed_tensors": compressed_tensors.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def validate(spec: EvalSpec, config: K3DSparkConfig) -> None:
     unknown = [r for r in spec.regimes if r not in REGIMES]
     if unknown:
-        raise ValueError(f"unknown regime(s) {', '.join(unknown)}; choose from {', '.join(REGIMES)}")
+        raise ValueError(
+            f"unknown regime(s) {', '.join(unknown)}; choose from {', '.join(REGIMES)}"
+        )
     if spec.blocks < 2 or spec.batch_size < 1 or spec.context_len < 1:
-        raise ValueError("--blocks must be >= 2 (a bootstrap needs blocks to resample), --batch-size and "
-                         "--context-len >= 1")
+        raise ValueError(
+            "--blocks must be >= 2 (a bootstrap needs blocks to resample), --batch-size and "
+            "--context-len >= 1"
+        )
     unknown = [v for v in spec.variants if v not in builtin_variants() and not Path(v).is_dir()]
     if unknown:
-        raise ValueError(f"unknown variant(s) {', '.join(map(repr, unknown))}: use {', '.join(builtin_variants())} "
-                         "or checkpoint directories")
+        raise ValueError(
+            f"unknown variant(s) {', '.join(map(repr, unknown))}: use {', '.join(builtin_variants())} "
+            "or checkpoint directories"
+        )
     labels = [variant_label(v) for v in spec.variants]
     if len(set(labels)) != len(labels):
         raise ValueError(f"variant labels must be unique, got {labels}")
     top = config.max_position_embeddings - config.block_size
     bad = [p for p in spec.positions if not spec.context_len <= p <= top]
     if bad:
-        raise ValueError(f"--positions {bad} out of range: the anchor position must leave room for the context "
-                         f"before it (>= --context-len {spec.context_len}) and the block after it "
-                         f"(<= max_position_embeddings - block_size = {top})")
+        raise ValueError(
+            f"--positions {bad} out of range: the anchor position must leave room for the context "
+            f"before it (>= --context-len {spec.context_len}) and the block after it "
+            f"(<= max_position_embeddings - block_size = {top})"
+        )
 
 
 def run(spec: EvalSpec) -> dict[str, Any]:
@@ -372,12 +471,16 @@ def run(spec: EvalSpec) -> dict[str, Any]:
     with spill_dir() as spill_root:
         t0 = time.perf_counter()
         ref_cells: dict[tuple[str, int], ReferenceCell] = {}
-        with tqdm(total=total, desc="reference fp32", unit="block", disable=not spec.progress) as bar:
+        with tqdm(
+            total=total, desc="reference fp32", unit="block", disable=not spec.progress
+        ) as bar:
             for regime, position in cells:
                 cell_batches = batches(spec, config, blocks, regime, position)
                 spill = spill_root / f"reference-{regime}-{position}.npy"
                 shape = (spec.blocks, config.block_size, config.vocab_size)
-                ref_cells[regime, position] = reference_cell(reference, cell_batches, spill, shape, bar)
+                ref_cells[regime, position] = reference_cell(
+                    reference, cell_batches, spill, shape, bar
+                )
         timing["reference_s"] = time.perf_counter() - t0
 
         indices = metrics.bootstrap_indices(spec.blocks, spec.resamples, spec.seed)
@@ -387,7 +490,9 @@ def run(spec: EvalSpec) -> dict[str, Any]:
             if name == SELF_CHECK:
                 # Loaded again from disk: comparing the reference object with itself would prove nothing.
                 _, variant, _ = load_reference(spec)
-                sources[label] = "a second FP32 reference, loaded independently (FP32 weights, FP32 compute)"
+                sources[label] = (
+                    "a second FP32 reference, loaded independently (FP32 weights, FP32 compute)"
+                )
             else:
                 variant, sources[label] = load_variant(name, spec, config, heads, reference)
             timing[f"load_{label}_s"] = time.perf_counter() - t0
@@ -396,18 +501,31 @@ def run(spec: EvalSpec) -> dict[str, Any]:
                 for regime, position in cells:
                     # Variants attend in the absorbed form the GPU kernels run; the self-check in the
                     # reference's own naive form, so it is exact.
-                    records = variant_cell(variant, ref_cells[regime, position],
-                                           batches(spec, config, blocks, regime, position), bar, label,
-                                           absorbed=name != SELF_CHECK)
-                    results_cells.append({"variant": label, "regime": regime, "position": position,
-                                          "metrics": metrics.summarize(records, indices)})
+                    records = variant_cell(
+                        variant,
+                        ref_cells[regime, position],
+                        batches(spec, config, blocks, regime, position),
+                        bar,
+                        label,
+                        absorbed=name != SELF_CHECK,
+                    )
+                    results_cells.append(
+                        {
+                            "variant": label,
+                            "regime": regime,
+                            "position": position,
+                            "metrics": metrics.summarize(records, indices),
+                        }
+                    )
             timing[f"eval_{label}_s"] = time.perf_counter() - t0
             del variant
             gc.collect()
         ref_cells.clear()  # unmap the spill files before their directory goes
 
     evaluated = total * len(spec.variants)
-    timing["blocks_per_s"] = evaluated / max(sum(v for k, v in timing.items() if k.startswith("eval_")), 1e-9)
+    timing["blocks_per_s"] = evaluated / max(
+        sum(v for k, v in timing.items() if k.startswith("eval_")), 1e-9
+    )
     return {
         "tool": "vllm-dspark eval",
         "methodology": drift_pkg.__doc__,
@@ -420,14 +538,33 @@ def run(spec: EvalSpec) -> dict[str, Any]:
             "recipe": list(spec.include_layers),
             "block_size": config.block_size,
             "corpus_source": blocks.source,
-            "original_max_position_embeddings": config.rope_parameters.get("original_max_position_embeddings"),
+            "original_max_position_embeddings": config.rope_parameters.get(
+                "original_max_position_embeddings"
+            ),
             "rope_parameters": dict(config.rope_parameters),
-            "drafter": {k: getattr(config, k) for k in (
-                "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
-                "kv_lora_rank", "qk_rope_head_dim", "vocab_size", "markov_rank", "num_target_layers",
-                "target_hidden_size", "max_position_embeddings")},
-            "seeds": {"root": spec.seed, "aux": "SeedSequence([seed, regime, block + 1])",
-                      "corpus_windows": "default_rng([seed, 0xC0])", "bootstrap": "default_rng(seed)"},
+            "drafter": {
+                k: getattr(config, k)
+                for k in (
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "q_lora_rank",
+                    "kv_lora_rank",
+                    "qk_rope_head_dim",
+                    "vocab_size",
+                    "markov_rank",
+                    "num_target_layers",
+                    "target_hidden_size",
+                    "max_position_embeddings",
+                )
+            },
+            "seeds": {
+                "root": spec.seed,
+                "aux": "SeedSequence([seed, regime, block + 1])",
+                "corpus_windows": "default_rng([seed, 0xC0])",
+                "bootstrap": "default_rng(seed)",
+            },
         },
         "versions": versions(),
         "timing": timing,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# ----- per-token divergences -------------------------------------------------------------------
+# ----- per-token divergences -----
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,9 @@ def token_divergence(ref_logits: torch.Tensor, var_logits: torch.Tensor) -> Toke
     clamped to 0 so the tails can be drawn on a log axis.
     """
     if ref_logits.shape != var_logits.shape:
-        raise ValueError(f"logit shapes differ: reference {tuple(ref_logits.shape)}, variant {tuple(var_logits.shape)}")
+        raise ValueError(
+            f"logit shapes differ: reference {tuple(ref_logits.shape)}, variant {tuple(var_logits.shape)}"
+        )
     lp = torch.log_softmax(ref_logits.double(), dim=-1)
     lq = torch.log_softmax(var_logits.double(), dim=-1)
     p, q = lp.exp(), lq.exp()
@@ -47,7 +49,7 @@ def token_divergence(ref_logits: torch.Tensor, var_logits: torch.Tensor) -> Toke
     )
 
 
-# ----- per-block figures -----------------------------------------------------------------------
+# ----- per-block figures -----
 
 
 def flips_vs_block_median(ref_conf: np.ndarray, var_conf: np.ndarray) -> np.ndarray:
@@ -88,7 +90,7 @@ def pearson_r(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return np.where(denom > 0, (x * y).sum(-1) / denom, np.nan)
 
 
-# ----- bootstrap -------------------------------------------------------------------------------
+# ----- bootstrap -----
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,9 @@ def bootstrap(
     return value, lo, hi
 
 
-def estimate(statistic: Callable[..., np.ndarray], arrays: Sequence[np.ndarray], indices: np.ndarray) -> Estimate:
+def estimate(
+    statistic: Callable[..., np.ndarray], arrays: Sequence[np.ndarray], indices: np.ndarray
+) -> Estimate:
     """:func:`bootstrap` of a scalar statistic as an :class:`Estimate`."""
     value, lo, hi = bootstrap(statistic, arrays, indices)
     return Estimate(float(value), float(lo), float(hi))
@@ -149,7 +153,7 @@ def estimates(
     return [Estimate(float(v), float(a), float(b)) for v, a, b in zip(value, lo, hi)]
 
 
-# ----- the metric set of one (variant, regime, position) cell -----------------------------------
+# ----- the metric set of one (variant, regime, position) cell -----
 
 
 @dataclass

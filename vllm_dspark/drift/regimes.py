@@ -26,12 +26,20 @@ def _generator(seed: int, *key: int) -> torch.Generator:
 
 def heavy_channel_scales(hidden: int, seed: int, sigma: float = HEAVY_SIGMA) -> torch.Tensor:
     """fp32 ``[hidden]`` lognormal channel scales ``exp(sigma * z)``, one draw per run."""
-    return torch.exp(sigma * torch.randn(hidden, generator=_generator(seed, _CODES["heavy"], 0xCA1E)))
+    return torch.exp(
+        sigma * torch.randn(hidden, generator=_generator(seed, _CODES["heavy"], 0xCA1E))
+    )
 
 
 def synthetic_aux(
-    regime: str, block_ids: Sequence[int], context_len: int, num_layers: int, hidden: int, seed: int,
-    *, heavy_sigma: float = HEAVY_SIGMA,
+    regime: str,
+    block_ids: Sequence[int],
+    context_len: int,
+    num_layers: int,
+    hidden: int,
+    seed: int,
+    *,
+    heavy_sigma: float = HEAVY_SIGMA,
 ) -> torch.Tensor:
     """BF16 ``[B, context_len, num_layers * hidden]`` aux states of the ``gauss`` or ``heavy`` regime."""
     if regime not in ("gauss", "heavy"):

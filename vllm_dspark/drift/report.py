@@ -35,7 +35,11 @@ PERCENT_KEYS = tuple(k for k, _, kind in COLUMNS if kind == "pct")
 
 def worst_half_width_pp(results: dict[str, Any], keys: Sequence[str] = PERCENT_KEYS) -> float:
     """The widest 95 % CI half-width of the ``keys`` metrics over every cell, in percentage points."""
-    return max(100 * (c["metrics"][k]["hi"] - c["metrics"][k]["lo"]) / 2 for c in results["cells"] for k in keys)
+    return max(
+        100 * (c["metrics"][k]["hi"] - c["metrics"][k]["lo"]) / 2
+        for c in results["cells"]
+        for k in keys
+    )
 
 
 def fmt(est: dict[str, float], kind: str) -> str:
@@ -78,8 +82,10 @@ def ceiling_summary(results: dict[str, Any]) -> str:
     """The headline table: ceiling τ per variant (rows) and regime (columns) at the base position."""
     cfg = results["config"]
     base = cfg["positions"][0]
-    rows = [[v] + [fmt(_cell(results, v, r, base)["metrics"]["ceiling"], "tau") for r in cfg["regimes"]]
-            for v in cfg["variants"]]
+    rows = [
+        [v] + [fmt(_cell(results, v, r, base)["metrics"]["ceiling"], "tau") for r in cfg["regimes"]]
+        for v in cfg["variants"]
+    ]
     return "\n".join(_table(["variant"] + list(cfg["regimes"]), rows))
 
 
@@ -87,8 +93,10 @@ def position_table(results: dict[str, Any], regime: str, key: str = "ceiling") -
     """``key`` per variant (rows) and anchor position (columns) in one regime."""
     cfg = results["config"]
     kind = {k: kind for k, _, kind in COLUMNS}[key]
-    rows = [[v] + [fmt(_cell(results, v, regime, p)["metrics"][key], kind) for p in cfg["positions"]]
-            for v in cfg["variants"]]
+    rows = [
+        [v] + [fmt(_cell(results, v, regime, p)["metrics"][key], kind) for p in cfg["positions"]]
+        for v in cfg["variants"]
+    ]
     return "\n".join(_table(["variant"] + [position_label(p) for p in cfg["positions"]], rows))
 
 
@@ -115,12 +123,23 @@ def markdown(results: dict[str, Any]) -> str:
             where = f"anchor at position {position_label(position)}"
             lines += ["", f"## {regime} — {where}", ""]
             rows = [
-                [v] + [fmt(_cell(results, v, regime, position)["metrics"][k], kind) for k, _, kind in COLUMNS]
+                [v]
+                + [
+                    fmt(_cell(results, v, regime, position)["metrics"][k], kind)
+                    for k, _, kind in COLUMNS
+                ]
                 for v in variants
             ]
             lines += _table(["variant"] + [h for _, h, _ in COLUMNS], rows)
-        lines += ["", f"Per-position sequential-rollout agreement % ({regime}, anchor at {position_label(base)}):", ""]
-        curves = {v: _cell(results, v, regime, base)["metrics"]["per_position"]["rollout_agreement"] for v in variants}
+        lines += [
+            "",
+            f"Per-position sequential-rollout agreement % ({regime}, anchor at {position_label(base)}):",
+            "",
+        ]
+        curves = {
+            v: _cell(results, v, regime, base)["metrics"]["per_position"]["rollout_agreement"]
+            for v in variants
+        }
         rows = [[v] + [f"{100 * e['value']:.1f}" for e in curves[v]] for v in variants]
         lines += _table(["variant"] + [str(i + 1) for i in range(block)], rows)
     if len(positions) > 1:
@@ -131,14 +150,16 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ----- plots -------------------------------------------------------------------------------------
+# ----- plots -----
 
 
 def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        warnings.warn("matplotlib is not installed (pip install 'vllm_dspark[plots]'); skipping the PNG plots.")
+        warnings.warn(
+            "matplotlib is not installed (pip install 'vllm_dspark[plots]'); skipping the PNG plots."
+        )
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -160,16 +181,31 @@ def plot_agreement(results: dict[str, Any], path: Path, plt) -> None:
         for i, v in enumerate(cfg["variants"]):
             pp = _cell(results, v, regime, cfg["positions"][0])["metrics"]["per_position"]
             color = f"C{i}"
-            for key, style, label in (("greedy_agreement", "-", "teacher-forced"),
-                                      ("rollout_agreement", "--", "rollout")):
+            for key, style, label in (
+                ("greedy_agreement", "-", "teacher-forced"),
+                ("rollout_agreement", "--", "rollout"),
+            ):
                 ys = [100 * e["value"] for e in pp[key]]
                 ax.plot(x, ys, style, color=color, marker="o", ms=3, label=f"{v} {label}")
-                ax.fill_between(x, [100 * e["lo"] for e in pp[key]], [100 * e["hi"] for e in pp[key]],
-                                color=color, alpha=0.15, lw=0)
-        ax.set(title=regime, xlabel="draft position", ylabel="agreement with FP32 reference (%)", xticks=x)
+                ax.fill_between(
+                    x,
+                    [100 * e["lo"] for e in pp[key]],
+                    [100 * e["hi"] for e in pp[key]],
+                    color=color,
+                    alpha=0.15,
+                    lw=0,
+                )
+        ax.set(
+            title=regime,
+            xlabel="draft position",
+            ylabel="agreement with FP32 reference (%)",
+            xticks=x,
+        )
         ax.grid(alpha=0.3)
     axes[-1].legend(fontsize=7, loc="lower left")
-    fig.suptitle("Per-position greedy agreement (solid: teacher-forced, dashed: sequential rollout)")
+    fig.suptitle(
+        "Per-position greedy agreement (solid: teacher-forced, dashed: sequential rollout)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -204,8 +240,14 @@ def plot_kl_tails(results: dict[str, Any], path: Path, plt) -> None:
             tail = _cell(results, v, regime, cfg["positions"][0])["metrics"]["kl_tail"]
             pts = [(k, f) for k, f in zip(tail["kl"], tail["fraction"]) if k > 0]
             if pts:
-                ax.loglog([k for k, _ in pts], [f for _, f in pts], marker=".", color=f"C{i}", label=v)
-        ax.set(title=regime, xlabel="KL(reference ‖ variant) per token (nats)", ylabel="fraction of tokens above")
+                ax.loglog(
+                    [k for k, _ in pts], [f for _, f in pts], marker=".", color=f"C{i}", label=v
+                )
+        ax.set(
+            title=regime,
+            xlabel="KL(reference ‖ variant) per token (nats)",
+            ylabel="fraction of tokens above",
+        )
         ax.grid(alpha=0.3, which="both")
     axes[-1].legend(fontsize=7)
     fig.suptitle("KL tails")
@@ -221,9 +263,16 @@ def plot_positions(results: dict[str, Any], path: Path, plt) -> None:
     for ax, regime in zip(axes, cfg["regimes"]):
         for i, v in enumerate(cfg["variants"]):
             ests = [_cell(results, v, regime, p)["metrics"]["ceiling"] for p in positions]
-            ax.errorbar(positions, [e["value"] for e in ests],
-                        yerr=[[e["value"] - e["lo"] for e in ests], [e["hi"] - e["value"] for e in ests]],
-                        marker="o", ms=3, capsize=2, color=f"C{i}", label=v)
+            ax.errorbar(
+                positions,
+                [e["value"] for e in ests],
+                yerr=[[e["value"] - e["lo"] for e in ests], [e["hi"] - e["value"] for e in ests]],
+                marker="o",
+                ms=3,
+                capsize=2,
+                color=f"C{i}",
+                label=v,
+            )
         orig = cfg.get("original_max_position_embeddings")
         if orig:
             ax.axvline(orig, color="k", lw=0.8, ls=":", label="YaRN original context")
@@ -243,8 +292,11 @@ def write_plots(results: dict[str, Any], out: Path) -> list[Path]:
     plt = _pyplot()
     if plt is None:
         return []
-    plots = [("agreement_per_position.png", plot_agreement), ("ceiling.png", plot_ceiling),
-             ("kl_tails.png", plot_kl_tails)]
+    plots = [
+        ("agreement_per_position.png", plot_agreement),
+        ("ceiling.png", plot_ceiling),
+        ("kl_tails.png", plot_kl_tails),
+    ]
     if len(results["config"]["positions"]) > 1:
         plots.append(("position_sweep.png", plot_positions))
     paths = []

@@ -18,18 +18,19 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from vllm_dspark.checkpoint.st_io import save_tensors
 from vllm_dspark.safety import check_output, require_finite
-from vllm_dspark.st_io import save_tensors
 
 if TYPE_CHECKING:
     from vllm_dspark.config import K3DSparkConfig
-    from vllm_dspark.reference import ReferenceDrafter
-
-__all__ = ["INPUT_TENSORS", "OUTPUT_TENSORS", "example_inputs", "main", "read_inputs", "run_draft"]
+    from vllm_dspark.reference.drafter import ReferenceDrafter
 
 # name -> (required, description) for --help and error messages.
 INPUT_TENSORS: dict[str, tuple[bool, str]] = {
-    "aux_hidden_states": (True, "[B, T, num_target_layers*target_hidden_size] float: target aux hidden states"),
+    "aux_hidden_states": (
+        True,
+        "[B, T, num_target_layers*target_hidden_size] float: target aux hidden states",
+    ),
     "context_positions": (True, "[B, T] int64: positions of the context tokens"),
     "anchor_ids": (True, "[B] int64: last verified token per request"),
     "context_mask": (False, "[B, T] bool: False marks padding (default all True)"),
@@ -46,7 +47,12 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def example_inputs(
-    config: K3DSparkConfig, *, batch: int = 2, context_len: int = 16, seed: int = 0, temperature: float = 0.0
+    config: K3DSparkConfig,
+    *,
+    batch: int = 2,
+    context_len: int = 16,
+    seed: int = 0,
+    temperature: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """Random inputs for ``config``: contexts of unequal length (the last request padded), as a user
     would hand them to ``draft``."""
@@ -70,21 +76,32 @@ def read_inputs(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
-        raise ValueError(f"inputs file {path} {what}. Fix: pass a .safetensors file (`--example-inputs FILE` "
-                         "writes a valid one).")
+        raise ValueError(
+            f"inputs file {path} {what}. Fix: pass a .safetensors file (`--example-inputs FILE` "
+            "writes a valid one)."
+        )
     try:
         tensors = load_file(str(path))
     except SafetensorError as e:
-        raise ValueError(f"{path} is not a readable safetensors file ({e}). Fix: write it with "
-                         "safetensors.torch.save_file.") from None
-    missing = [name for name, (required, _) in INPUT_TENSORS.items() if required and name not in tensors]
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({e}). Fix: write it with "
+            "safetensors.torch.save_file."
+        ) from None
+    missing = [
+        name for name, (required, _) in INPUT_TENSORS.items() if required and name not in tensors
+    ]
     if missing:
-        raise ValueError(f"{path} lacks required tensor(s) {', '.join(missing)}: "
-                         + "; ".join(f"{n} {INPUT_TENSORS[n][1]}" for n in missing) + ".")
+        raise ValueError(
+            f"{path} lacks required tensor(s) {', '.join(missing)}: "
+            + "; ".join(f"{n} {INPUT_TENSORS[n][1]}" for n in missing)
+            + "."
+        )
     unknown = sorted(set(tensors) - set(INPUT_TENSORS))
     if unknown:
-        raise ValueError(f"{path} has unknown tensor(s) {', '.join(unknown)}; expected names: "
-                         f"{', '.join(INPUT_TENSORS)}.")
+        raise ValueError(
+            f"{path} has unknown tensor(s) {', '.join(unknown)}; expected names: "
+            f"{', '.join(INPUT_TENSORS)}."
+        )
     return tensors
 
 
@@ -101,44 +118,70 @@ def run_draft(
         context_mask=inputs.get("context_mask"),
         absorbed=absorbed,
     )
-    result = {"draft_tokens": out.tokens, "logits": out.logits, "block_positions": out.block_positions}
+    result = {
+        "draft_tokens": out.tokens,
+        "logits": out.logits,
+        "block_positions": out.block_positions,
+    }
     if out.confidences is not None:
         result["confidences"] = out.confidences.float()
     return result
 
 
 def _parser() -> argparse.ArgumentParser:
-    inputs = "\n".join(f"  {n:<18} {'' if req else '(optional) '}{desc}" for n, (req, desc) in INPUT_TENSORS.items())
+    inputs = "\n".join(
+        f"  {n:<18} {'' if req else '(optional) '}{desc}"
+        for n, (req, desc) in INPUT_TENSORS.items()
+    )
     outputs = "\n".join(f"  {n:<18} {desc}" for n, desc in OUTPUT_TENSORS.items())
     parser = argparse.ArgumentParser(
         prog="vllm-dspark draft",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Draft one block per request with the reference (plain PyTorch) K3 DSpark drafter.\n"
-                    "Each block sits at positions last+1..last+N after its request's context and reads\n"
-                    "[anchor, mask x (N-1)].",
+        "Each block sits at positions last+1..last+N after its request's context and reads\n"
+        "[anchor, mask x (N-1)].",
         epilog=f"input tensors (--inputs):\n{inputs}\n\noutput tensors (--out):\n{outputs}",
     )
     parser.add_argument("--model", required=True, type=Path, help="drafter checkpoint directory")
-    parser.add_argument("--target", type=Path, default=None,
-                        help="target model directory (or .safetensors file) with model.embed_tokens.weight and "
-                             "lm_head.weight; default MODEL/target")
+    parser.add_argument(
+        "--target",
+        type=Path,
+        default=None,
+        help="target model directory (or .safetensors file) with model.embed_tokens.weight and "
+        "lm_head.weight; default MODEL/target",
+    )
     io = parser.add_mutually_exclusive_group(required=True)
     io.add_argument("--inputs", type=Path, help="input tensors (.safetensors), names below")
-    io.add_argument("--example-inputs", type=Path, metavar="FILE",
-                    help="write a random inputs file for this model to FILE and exit")
+    io.add_argument(
+        "--example-inputs",
+        type=Path,
+        metavar="FILE",
+        help="write a random inputs file for this model to FILE and exit",
+    )
     parser.add_argument("--out", type=Path, help="output tensors (.safetensors), names below")
-    parser.add_argument("--dtype", choices=list(_DTYPES), default="fp32",
-                        help="compute dtype: fp32 (the reference) or bf16 (what ships); default fp32")
-    parser.add_argument("--absorbed", action="store_true",
-                        help="attend in the absorbed MLA form the GPU kernels use (default: naive kv_b_proj form)")
+    parser.add_argument(
+        "--dtype",
+        choices=list(_DTYPES),
+        default="fp32",
+        help="compute dtype: fp32 (the reference) or bf16 (what ships); default fp32",
+    )
+    parser.add_argument(
+        "--absorbed",
+        action="store_true",
+        help="attend in the absorbed MLA form the GPU kernels use (default: naive kv_b_proj form)",
+    )
     return parser
 
 
-def _write(tensors: dict[str, torch.Tensor], out: Path, flag: str, inputs: list[Path | None]) -> None:
+def _write(
+    tensors: dict[str, torch.Tensor], out: Path, flag: str, inputs: list[Path | None]
+) -> None:
     """Save ``tensors`` to ``out`` atomically, never over an input or into a directory."""
     check_output(out, inputs, flag=flag)
     if out.is_dir():
-        raise ValueError(f"{flag} {out} is a directory. Fix: pass a file path, e.g. {out / 'out.safetensors'}.")
+        raise ValueError(
+            f"{flag} {out} is a directory. Fix: pass a file path, e.g. {out / 'out.safetensors'}."
+        )
     save_tensors(out, tensors)
 
 
@@ -149,27 +192,41 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is required with --inputs")
     sources = [args.inputs, args.target, args.model]
     if args.example_inputs is not None:
-        from vllm_dspark.checkpoint import load_config
+        from vllm_dspark.checkpoint.store import load_config
 
-        _write(example_inputs(load_config(args.model)), args.example_inputs, "--example-inputs", sources)
+        _write(
+            example_inputs(load_config(args.model)),
+            args.example_inputs,
+            "--example-inputs",
+            sources,
+        )
         print(f"wrote example inputs to {args.example_inputs}")
         return 0
     check_output(args.out, sources, flag="--out")  # before any work
-    inputs = read_inputs(args.inputs)  # before the model import: a bad inputs file fails in a second
-    from vllm_dspark.reference import ReferenceDrafter
+    inputs = read_inputs(
+        args.inputs
+    )  # before the model import: a bad inputs file fails in a second
+    from vllm_dspark.reference.drafter import ReferenceDrafter
 
-    drafter = ReferenceDrafter.from_pretrained(args.model, target_dir=args.target,
-                                               compute_dtype=_DTYPES[args.dtype])
+    drafter = ReferenceDrafter.from_pretrained(
+        args.model, target_dir=args.target, compute_dtype=_DTYPES[args.dtype]
+    )
     outputs = run_draft(drafter, inputs, absorbed=args.absorbed)
-    require_finite(outputs["logits"], "the drafted logits", "the drafter's weights or the target heads hold NaN or "
-                   "Inf values: run `vllm-dspark check` on the drafter and re-export it")
+    require_finite(
+        outputs["logits"],
+        "the drafted logits",
+        "the drafter's weights or the target heads hold NaN or "
+        "Inf values: run `vllm-dspark check` on the drafter and re-export it",
+    )
     _write(outputs, args.out, "--out", sources)
     tokens = outputs["draft_tokens"]
-    print(f"drafted {tokens.shape[0]} block(s) of {tokens.shape[1]} tokens ({args.dtype}) -> {args.out}")
+    print(
+        f"drafted {tokens.shape[0]} block(s) of {tokens.shape[1]} tokens ({args.dtype}) -> {args.out}"
+    )
     return 0
 
 
 if __name__ == "__main__":
-    from vllm_dspark.cli import main as cli_main
+    from vllm_dspark.tools.cli import main as cli_main
 
     sys.exit(cli_main(["draft", *sys.argv[1:]]))

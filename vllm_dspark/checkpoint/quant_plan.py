@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from compressed_tensors.utils.match import is_match
 
-from vllm_dspark import formats
-from vllm_dspark.layout import (
+from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint.layout import (
     FUSED_GROUPS,
     QUANTIZABLE_KINDS,
     ModuleSpec,
@@ -39,20 +39,15 @@ from vllm_dspark.layout import (
 if TYPE_CHECKING:
     from vllm_dspark.config import K3DSparkConfig
 
-__all__ = [
-    "FLOAT_DTYPES",
-    "QuantPlan",
-    "QuantPlanError",
-    "declared",
-    "is_stray",
-    "resolve",
-    "resolve_checkpoint",
-    "vllm_quantization_config",
-]
-
-_FIX_SHARDS = ("use the config.json written with these shards, or re-quantize the BF16 checkpoint with "
-               "`vllm-dspark quantize`")
-FLOAT_DTYPES = ("BF16", "F16", "F32")  # what an unquantized tensor may be stored in (the published drafter: BF16)
+_FIX_SHARDS = (
+    "use the config.json written with these shards, or re-quantize the BF16 checkpoint with "
+    "`vllm-dspark quantize`"
+)
+FLOAT_DTYPES = (
+    "BF16",
+    "F16",
+    "F32",
+)  # what an unquantized tensor may be stored in (the published drafter: BF16)
 _GLOB_CHARS = frozenset("*?[")
 _KV_A_KIND = "self_attn.kv_a_proj_with_mqa"
 
@@ -66,28 +61,36 @@ class QuantPlan:
     """``modules``: checkpoint module -> format of every quantized module (the rest are stored BF16)."""
 
     modules: dict[str, str] = field(default_factory=dict)
-    warning: str | None = None  # set when the config is outside the spec but the tensors are unambiguous
+    warning: str | None = (
+        None  # set when the config is outside the spec but the tensors are unambiguous
+    )
     stray: tuple[str, ...] = ()  # stored tensors the served model drops (see :func:`is_stray`)
 
     def stray_warning(self) -> str | None:
         """The one warning about :attr:`stray` tensors, or None."""
         if not self.stray:
             return None
-        return (f"skipping {len(self.stray)} stored tensor(s) the drafter does not use ({', '.join(self.stray[:4])}"
-                f"{', ...' if len(self.stray) > 4 else ''}): the lm_head is the target's, and a confidence head "
-                "is only built with enable_confidence_head")
+        return (
+            f"skipping {len(self.stray)} stored tensor(s) the drafter does not use ({', '.join(self.stray[:4])}"
+            f"{', ...' if len(self.stray) > 4 else ''}): the lm_head is the target's, and a confidence head "
+            "is only built with enable_confidence_head"
+        )
 
 
 def is_stray(key: str, config: K3DSparkConfig) -> bool:
     """Whether stored tensor ``key`` is one vLLM's in-tree class drops: the target's ``lm_head`` copied into
     the drafter's shards, or ``confidence_head.*`` of a drafter built without one."""
-    return key.startswith("lm_head.") or (not config.enable_confidence_head and key.startswith("confidence_head."))
+    return key.startswith("lm_head.") or (
+        not config.enable_confidence_head and key.startswith("confidence_head.")
+    )
 
 
-# --- what the tensors say ---------------------------------------------------------------------
+# ----- what the tensors say -----
 
 
-_Stored = tuple[str, ...] | str | None  # the formats a module's tensors can be, None (float) or "?" (none)
+_Stored = (
+    tuple[str, ...] | str | None
+)  # the formats a module's tensors can be, None (float) or "?" (none)
 
 
 def _stored_format(dtypes: Mapping[str, str]) -> _Stored:
@@ -115,21 +118,25 @@ def _check_storage(specs: list[ModuleSpec], stored: dict[str, _Stored]) -> None:
     for spec in specs:
         fmt = stored[spec.name]
         if fmt not in (None, "?") and spec.kind not in QUANTIZABLE_KINDS:
-            raise QuantPlanError(f"{spec.name} is stored as {_shown(fmt)}, but {why_unquantized(spec.kind)}, so the "
-                                 f"drafter runs it unquantized. Fix: re-quantize the BF16 checkpoint with "
-                                 "`vllm-dspark quantize`, which keeps it BF16")
+            raise QuantPlanError(
+                f"{spec.name} is stored as {_shown(fmt)}, but {why_unquantized(spec.kind)}, so the "
+                f"drafter runs it unquantized. Fix: re-quantize the BF16 checkpoint with "
+                "`vllm-dspark quantize`, which keeps it BF16"
+            )
     for fused, members in fused_module_groups(s.name for s in specs).items():
         found = {m: stored[m] for m in members if stored[m] != "?"}
         if len(set(found.values())) > 1:
             split = ", ".join(f"{m} as {_shown(f) or 'BF16'}" for m, f in found.items())
             stacked = fused.startswith("self_attn.")
             why = " (context_kv_proj stacks every layer's kv_a_proj_with_mqa)" if stacked else ""
-            raise QuantPlanError(f"{fused}: the shards store {split}, but vLLM fuses them into one layer, which takes "
-                                 f"one scheme{why}. Fix: re-quantize the BF16 checkpoint with `vllm-dspark quantize`, "
-                                 "which quantizes all of them or none")
+            raise QuantPlanError(
+                f"{fused}: the shards store {split}, but vLLM fuses them into one layer, which takes "
+                f"one scheme{why}. Fix: re-quantize the BF16 checkpoint with `vllm-dspark quantize`, "
+                "which quantizes all of them or none"
+            )
 
 
-# --- what the config says ---------------------------------------------------------------------
+# ----- what the config says -----
 
 
 class RMSNorm(torch.nn.Module):
@@ -163,11 +170,17 @@ def _lenient(entry: str) -> tuple[str, str] | None:
     """``(regex, rewrite)``: how an entry that matches nothing was meant, or None if it was meant literally."""
     if entry.startswith("re:"):
         pattern = entry.removeprefix("re:")
-        return None if pattern.startswith(("^", ".*")) else (f".*(?:{pattern}).*", f"re:.*{pattern}")
+        return (
+            None if pattern.startswith(("^", ".*")) else (f".*(?:{pattern}).*", f"re:.*{pattern}")
+        )
     if _GLOB_CHARS & set(entry):
         body = re.escape(entry).replace(r"\*", ".*").replace(r"\?", ".")
         return fnmatch.translate(entry), f"re:{body}$"
-    rewrite = kind_regex(entry) if not entry.startswith(("layers.", "model.")) else rf"re:.*{re.escape(entry)}$"
+    rewrite = (
+        kind_regex(entry)
+        if not entry.startswith(("layers.", "model."))
+        else rf"re:.*{re.escape(entry)}$"
+    )
     return rf"(?:.*\.)?{re.escape(entry)}$", rewrite
 
 
@@ -185,11 +198,14 @@ class _Config:
             qc = formats.parse_quantization_config(dict(quantization_config))
         except ValueError as e:
             raise QuantPlanError(f"quantization_config: {e}") from None
-        targets = [(t, group_formats[g]) for g, scheme in qc.config_groups.items() for t in scheme.targets]
+        targets = [
+            (t, group_formats[g]) for g, scheme in qc.config_groups.items() for t in scheme.targets
+        ]
         return cls(targets, list(qc.ignore or []))
 
-    def plan(self, specs: list[ModuleSpec], start_layer_id: int | None,
-             lenient: Mapping[str, str]) -> dict[str, tuple[str | None, str | None]]:
+    def plan(
+        self, specs: list[ModuleSpec], start_layer_id: int | None, lenient: Mapping[str, str]
+    ) -> dict[str, tuple[str | None, str | None]]:
         """``{module: (fmt or None, why)}``; ``lenient`` maps entries to the regex read in their place."""
 
         def hits(entry: str, names: list[str], stand_in: torch.nn.Module) -> bool:
@@ -224,18 +240,25 @@ def _disagreement(spec: ModuleSpec, stored: str | None, said: str | None, why: s
     """The conflict between ``stored`` (:func:`_shown`) and what the config ``said``, with its fix."""
     if stored is None:
         if spec.kind not in QUANTIZABLE_KINDS:
-            return (f"{spec.name}: quantization_config quantizes it as {said} ({why}), but {why_unquantized(spec.kind)}"
-                    f", so it is stored BF16 and must stay so. Fix: add {spec.name!r} to quantization_config's ignore")
-        return (f"{spec.name} is stored BF16, but quantization_config quantizes it as {said} ({why}). Fix: add "
-                f"{spec.name!r} to its ignore list, or {_FIX_SHARDS}")
+            return (
+                f"{spec.name}: quantization_config quantizes it as {said} ({why}), but {why_unquantized(spec.kind)}"
+                f", so it is stored BF16 and must stay so. Fix: add {spec.name!r} to quantization_config's ignore"
+            )
+        return (
+            f"{spec.name} is stored BF16, but quantization_config quantizes it as {said} ({why}). Fix: add "
+            f"{spec.name!r} to its ignore list, or {_FIX_SHARDS}"
+        )
     if said is None:
-        return (f"{spec.name} is stored as {stored}, but quantization_config leaves it unquantized ({why}). Fix: "
-                f"{_FIX_SHARDS}")
+        return (
+            f"{spec.name} is stored as {stored}, but quantization_config leaves it unquantized ({why}). Fix: "
+            f"{_FIX_SHARDS}"
+        )
     return f"{spec.name} is stored as {stored}, but quantization_config says {said} ({why}). Fix: {_FIX_SHARDS}"
 
 
-def resolve(config: K3DSparkConfig, quantization_config: Mapping[str, Any] | None,
-            dtypes: Mapping[str, str]) -> QuantPlan:
+def resolve(
+    config: K3DSparkConfig, quantization_config: Mapping[str, Any] | None, dtypes: Mapping[str, str]
+) -> QuantPlan:
     """The quantization plan of a checkpoint: ``dtypes`` is ``{tensor key: safetensors dtype}`` from its headers.
 
     Raises :class:`QuantPlanError` when config and tensors conflict (see the module docstring).
@@ -249,8 +272,10 @@ def resolve(config: K3DSparkConfig, quantization_config: Mapping[str, Any] | Non
     if quantization_config is None:
         if quantized:
             name, fmt = next(iter(quantized.items()))
-            raise QuantPlanError(f"{name} is stored as {_shown(fmt)} ({len(quantized)} quantized modules), but "
-                                 f"config.json has no quantization_config. Fix: {_FIX_SHARDS}")
+            raise QuantPlanError(
+                f"{name} is stored as {_shown(fmt)} ({len(quantized)} quantized modules), but "
+                f"config.json has no quantization_config. Fix: {_FIX_SHARDS}"
+            )
         return QuantPlan({}, stray=stray)
 
     parsed = _Config.parse(quantization_config)
@@ -259,8 +284,11 @@ def resolve(config: K3DSparkConfig, quantization_config: Mapping[str, Any] | Non
     def reading(lenient: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
         """The plan as the config reads (``lenient`` entries as regexes), and its conflicts with the tensors."""
         said = parsed.plan(specs, start, lenient)
-        conflicts = [_disagreement(s, _shown(known[s.name]), *said[s.name]) for s in specs
-                     if s.name in known and not _agrees(known[s.name], said[s.name][0])]
+        conflicts = [
+            _disagreement(s, _shown(known[s.name]), *said[s.name])
+            for s in specs
+            if s.name in known and not _agrees(known[s.name], said[s.name][0])
+        ]
         return {name: said[name][0] for name in quantized}, conflicts
 
     modules, strict = reading({})
@@ -271,16 +299,25 @@ def resolve(config: K3DSparkConfig, quantization_config: Mapping[str, Any] | Non
         modules, conflicts = reading({e: regex for e, (regex, _) in readings.items()})
         if not conflicts:
             names = [n for s in specs for n in _names(s, start)]
-            used = {e: rewrite for e, (regex, rewrite) in readings.items()
-                    if any(re.fullmatch(regex, n) for n in names)}
-            listed = ", ".join(f"{json.dumps(e)} -> {json.dumps(rewrite)}" for e, rewrite in used.items())
-            warning = (f"quantization_config has entries that match no module under compressed-tensors' rules "
-                       f"(exact module names or 're:' regexes); read as suffixes or globs they describe the stored "
-                       f"tensors, so the drafter is served as stored. Fix: rewrite them: {listed}")
+            used = {
+                e: rewrite
+                for e, (regex, rewrite) in readings.items()
+                if any(re.fullmatch(regex, n) for n in names)
+            }
+            listed = ", ".join(
+                f"{json.dumps(e)} -> {json.dumps(rewrite)}" for e, rewrite in used.items()
+            )
+            warning = (
+                f"quantization_config has entries that match no module under compressed-tensors' rules "
+                f"(exact module names or 're:' regexes); read as suffixes or globs they describe the stored "
+                f"tensors, so the drafter is served as stored. Fix: rewrite them: {listed}"
+            )
             return QuantPlan(modules, warning=warning, stray=stray)
     more = f" (and {len(strict) - 1} more module(s))" if len(strict) > 1 else ""
     first, _, fix = strict[0].partition(" Fix: ")
-    raise QuantPlanError(f"quantization_config and the stored tensors disagree: {first.rstrip('.')}{more}. Fix: {fix}")
+    raise QuantPlanError(
+        f"quantization_config and the stored tensors disagree: {first.rstrip('.')}{more}. Fix: {fix}"
+    )
 
 
 def _agrees(stored: tuple[str, ...] | None, said: str | None) -> bool:
@@ -289,23 +326,28 @@ def _agrees(stored: tuple[str, ...] | None, said: str | None) -> bool:
 
 def declared(config: K3DSparkConfig, quantization_config: Mapping[str, Any]) -> dict[str, str]:
     """``{module: fmt}`` that ``quantization_config`` alone quantizes, read strictly (what the tensors must hold)."""
-    said = _Config.parse(quantization_config).plan(checkpoint_modules(config),
-                                                   getattr(config, "target_num_hidden_layers", None), {})
+    said = _Config.parse(quantization_config).plan(
+        checkpoint_modules(config), getattr(config, "target_num_hidden_layers", None), {}
+    )
     return {name: fmt for name, (fmt, _) in said.items() if fmt is not None}
 
 
 def resolve_checkpoint(model_dir: str | Path) -> QuantPlan:
     """:func:`resolve` for a drafter directory: its config.json and its shard headers."""
-    from vllm_dspark.checkpoint import load_config, read_config_json, stored_tensors
+    from vllm_dspark.checkpoint.store import load_config, read_config_json, stored_tensors
 
     model_dir = Path(model_dir)
     config = load_config(model_dir)
-    return resolve(config, read_config_json(model_dir).get("quantization_config"),
-                   {key: t.dtype for key, t in stored_tensors(model_dir).items()})
+    return resolve(
+        config,
+        read_config_json(model_dir).get("quantization_config"),
+        {key: t.dtype for key, t in stored_tensors(model_dir).items()},
+    )
 
 
-def vllm_quantization_config(plan: QuantPlan, config: K3DSparkConfig, *, start_layer_id: int,
-                             prefix: str = "model") -> dict[str, Any] | None:
+def vllm_quantization_config(
+    plan: QuantPlan, config: K3DSparkConfig, *, start_layer_id: int, prefix: str = "model"
+) -> dict[str, Any] | None:
     """The compressed-tensors config vLLM serves ``plan`` with: the runtime names of the quantized modules.
 
     One config group per format, exact runtime names (vLLM's fused layers match through their
@@ -316,5 +358,7 @@ def vllm_quantization_config(plan: QuantPlan, config: K3DSparkConfig, *, start_l
     targets: dict[str, list[str]] = {}
     for spec in checkpoint_modules(config):
         if spec.name in plan.modules:
-            targets.setdefault(plan.modules[spec.name], []).append(runtime_name(spec, start_layer_id, prefix))
+            targets.setdefault(plan.modules[spec.name], []).append(
+                runtime_name(spec, start_layer_id, prefix)
+            )
     return formats.compressed_tensors_config(targets, ignore=[])

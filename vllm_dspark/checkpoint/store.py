@@ -3,7 +3,7 @@
 
 A drafter directory holds ``config.json`` (a ``K3DSparkConfig``, plus a compressed-tensors
 ``quantization_config`` when quantized) and its weights under the HF key names of
-:mod:`vllm_dspark.layout`, as ``model.safetensors`` or as shards listed in
+:mod:`vllm_dspark.checkpoint.layout`, as ``model.safetensors`` or as shards listed in
 ``model.safetensors.index.json``. The target's embedding and lm_head, which the drafter shares,
 live in the target's own directory or in the ``target/`` directory ``vllm-dspark make-random``
 writes. Every way a checkpoint can disagree with its config is one ``ValueError`` naming each
@@ -21,32 +21,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_dspark.checkpoint.layout import checkpoint_modules
+from vllm_dspark.checkpoint.st_io import (
+    Entry,
+    SafetensorsWriter,
+    StoredTensor,
+    TensorReader,
+    read_header,
+    read_tensor,
+)
 from vllm_dspark.config import K3DSparkConfig, check_identity
-from vllm_dspark.layout import checkpoint_modules
 from vllm_dspark.safety import invalid_scale_count
-from vllm_dspark.st_io import Entry, SafetensorsWriter, StoredTensor, TensorReader, read_header, read_tensor
 
 if TYPE_CHECKING:
-    from vllm_dspark.formats import TensorSpec
-
-__all__ = [
-    "CONFIG_NAME",
-    "INDEX_NAME",
-    "SINGLE_FILE_NAME",
-    "TARGET_EMBED_KEY",
-    "TARGET_LM_HEAD_KEY",
-    "expected_tensors",
-    "human_bytes",
-    "human_params",
-    "load_config",
-    "load_drafter_state_dict",
-    "load_target_heads",
-    "read_config_json",
-    "save_drafter",
-    "shape_mismatches",
-    "stored_tensors",
-    "validate_tensor_shapes",
-]
+    from vllm_dspark.checkpoint.formats import TensorSpec
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -58,6 +46,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the HF default, "5GB"
 _LOG = logging.getLogger(__name__)
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _MAX_LISTED_PROBLEMS = 12
+
 
 def human_params(n: int) -> str:
     """``2.19 B`` / ``3.40 M``: parameter counts at the scale they are read."""
@@ -76,26 +65,36 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     """The raw ``config.json`` of ``model_dir`` as a dict, with a clear error if absent or malformed."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise ValueError(f"{model_dir} is not a directory. Fix: pass the drafter checkpoint directory "
-                         f"(the one holding {CONFIG_NAME} and the safetensors shards).")
+        raise ValueError(
+            f"{model_dir} is not a directory. Fix: pass the drafter checkpoint directory "
+            f"(the one holding {CONFIG_NAME} and the safetensors shards)."
+        )
     path = model_dir / CONFIG_NAME
     if not path.is_file():
-        raise ValueError(f"{model_dir} has no {CONFIG_NAME}. Fix: copy the drafter's {CONFIG_NAME} next to its "
-                         "shards, or write a fresh checkpoint with `vllm-dspark make-random`.")
+        raise ValueError(
+            f"{model_dir} has no {CONFIG_NAME}. Fix: copy the drafter's {CONFIG_NAME} next to its "
+            "shards, or write a fresh checkpoint with `vllm-dspark make-random`."
+        )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}. "
-                         "Fix: repair the file (a trailing comma or a truncated copy is the usual cause).") from None
+        raise ValueError(
+            f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}. "
+            "Fix: repair the file (a trailing comma or a truncated copy is the usual cause)."
+        ) from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}). Fix: use the checkpoint's "
-                         "own config.json.") from None
+        raise ValueError(
+            f"{path} is not UTF-8 text ({e.reason} at byte {e.start}). Fix: use the checkpoint's "
+            "own config.json."
+        ) from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object, found a {type(raw).__name__}.")
     qc = raw.get("quantization_config")
     if qc is not None and not isinstance(qc, dict):
-        raise ValueError(f"{path}: quantization_config must be a JSON object (a compressed-tensors config), found a "
-                         f"{type(qc).__name__}. Fix: use the config.json `vllm-dspark quantize` wrote.")
+        raise ValueError(
+            f"{path}: quantization_config must be a JSON object (a compressed-tensors config), found a "
+            f"{type(qc).__name__}. Fix: use the config.json `vllm-dspark quantize` wrote."
+        )
     return raw
 
 
@@ -111,21 +110,25 @@ def load_config(model_dir: str | Path) -> K3DSparkConfig:
 
 
 def _describe(config: K3DSparkConfig) -> str:
-    return (f"hidden_size={config.hidden_size}, num_hidden_layers={config.num_hidden_layers}, "
-            f"intermediate_size={config.intermediate_size}, num_attention_heads={config.num_attention_heads}, "
-            f"vocab_size={config.vocab_size}")
+    return (
+        f"hidden_size={config.hidden_size}, num_hidden_layers={config.num_hidden_layers}, "
+        f"intermediate_size={config.intermediate_size}, num_attention_heads={config.num_attention_heads}, "
+        f"vocab_size={config.vocab_size}"
+    )
 
 
 # ----- expected tensors -----
 
 
-def expected_tensors(config: K3DSparkConfig, quantized: Mapping[str, str] | None = None) -> dict[str, TensorSpec]:
+def expected_tensors(
+    config: K3DSparkConfig, quantized: Mapping[str, str] | None = None
+) -> dict[str, TensorSpec]:
     """``{key: TensorSpec}`` a checkpoint for ``config`` must hold; ``quantized`` maps module -> format.
 
     An unquantized tensor is BF16 (F16 and F32 also load); a quantized module holds its format's
     tensors (packed codes and scales) instead of ``weight``.
     """
-    from vllm_dspark import formats
+    from vllm_dspark.checkpoint import formats
 
     quantized = quantized or {}
     expected: dict[str, TensorSpec] = {}
@@ -142,7 +145,7 @@ def expected_tensors(config: K3DSparkConfig, quantized: Mapping[str, str] | None
 
 
 def _float_tensor(shape: tuple[int, ...]) -> TensorSpec:
-    from vllm_dspark.formats import TensorSpec
+    from vllm_dspark.checkpoint.formats import TensorSpec
 
     return TensorSpec(torch.bfloat16, shape, also=(torch.float16, torch.float32))
 
@@ -152,7 +155,9 @@ def shape_mismatches(
 ) -> tuple[list[str], list[str], list[str]]:
     """The ``(missing, mis-shaped, unexpected)`` keys of ``found`` against ``expected``."""
     missing = [key for key in expected if key not in found]
-    misshaped = [key for key in expected if key in found and tuple(found[key]) != tuple(expected[key])]
+    misshaped = [
+        key for key in expected if key in found and tuple(found[key]) != tuple(expected[key])
+    ]
     return missing, misshaped, [key for key in found if key not in expected]
 
 
@@ -166,9 +171,15 @@ def validate_tensor_shapes(
     """Raise one ``ValueError`` listing every missing, unexpected and mis-shaped tensor."""
     missing, misshaped, unexpected = shape_mismatches(found, expected)
     problems = [f"missing tensor {key!r} (expected shape {expected[key]})" for key in missing]
-    problems += [f"tensor {key!r} has shape {tuple(found[key])}, expected shape {expected[key]}" for key in misshaped]
-    problems += [f"unexpected tensor {key!r} with shape {tuple(found[key])} (no such tensor in a drafter with this "
-                 "config)" for key in unexpected]
+    problems += [
+        f"tensor {key!r} has shape {tuple(found[key])}, expected shape {expected[key]}"
+        for key in misshaped
+    ]
+    problems += [
+        f"unexpected tensor {key!r} with shape {tuple(found[key])} (no such tensor in a drafter with this "
+        "config)"
+        for key in unexpected
+    ]
     if not problems:
         return
     listed = problems[:_MAX_LISTED_PROBLEMS]
@@ -177,17 +188,26 @@ def validate_tensor_shapes(
     # compressed-tensors names a quantized weight's tensors weight_packed, weight_scale, weight_global_scale, ...
     quantized_extra = [k for k in unexpected if k.rsplit(".", 1)[-1].startswith("weight_")]
     if quantized_extra:
-        fix = (f"the shards hold quantized tensors ({quantized_extra[0]}, ...) that config.json's "
-               "quantization_config does not describe: use the config.json written with these shards")
+        fix = (
+            f"the shards hold quantized tensors ({quantized_extra[0]}, ...) that config.json's "
+            "quantization_config does not describe: use the config.json written with these shards"
+        )
     elif missing and not misshaped and not unexpected:
-        fix = ("the checkpoint is incomplete: check that every shard listed in the index was copied, "
-               "or re-export it")
+        fix = (
+            "the checkpoint is incomplete: check that every shard listed in the index was copied, "
+            "or re-export it"
+        )
     else:
-        fix = ("config.json and the shards disagree: use the config.json these shards were written with "
-               "(the shapes follow hidden_size, num_hidden_layers, intermediate_size, the MLA ranks, vocab_size "
-               "and markov_rank), or re-export the checkpoint")
-    raise ValueError(f"{source} does not match its config.json ({_describe(config)}):\n  - "
-                     + "\n  - ".join(listed) + f"\nFix: {fix}.")
+        fix = (
+            "config.json and the shards disagree: use the config.json these shards were written with "
+            "(the shapes follow hidden_size, num_hidden_layers, intermediate_size, the MLA ranks, vocab_size "
+            "and markov_rank), or re-export the checkpoint"
+        )
+    raise ValueError(
+        f"{source} does not match its config.json ({_describe(config)}):\n  - "
+        + "\n  - ".join(listed)
+        + f"\nFix: {fix}."
+    )
 
 
 # ----- reading safetensors -----
@@ -204,24 +224,34 @@ def _weight_map(model_dir: Path) -> dict[str, Path]:
                 raise TypeError("weight_map is not an object")
             odd = [f"{k}: {v!r}" for k, v in weight_map.items() if not isinstance(v, str)]
             if odd:
-                raise TypeError(f"weight_map entries must name shard files, got {', '.join(odd[:3])}")
+                raise TypeError(
+                    f"weight_map entries must name shard files, got {', '.join(odd[:3])}"
+                )
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index_path} is malformed ({e}). Fix: it must be a JSON object with a "
-                             '"weight_map" of {"tensor name": "shard file name"}.') from None
+            raise ValueError(
+                f"{index_path} is malformed ({e}). Fix: it must be a JSON object with a "
+                '"weight_map" of {"tensor name": "shard file name"}.'
+            ) from None
         missing_files = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
         if missing_files:
-            raise ValueError(f"{index_path} lists shard(s) {', '.join(missing_files)}, which do not exist in "
-                             f"{model_dir}. Fix: copy every shard of the checkpoint.")
+            raise ValueError(
+                f"{index_path} lists shard(s) {', '.join(missing_files)}, which do not exist in "
+                f"{model_dir}. Fix: copy every shard of the checkpoint."
+            )
         return {key: model_dir / name for key, name in weight_map.items()}
     single = model_dir / SINGLE_FILE_NAME
     if single.is_file():
         return dict.fromkeys(read_header(single), single)
     shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if shards:
-        raise ValueError(f"{model_dir} has shards ({', '.join(shards[:3])}{', ...' if len(shards) > 3 else ''}) "
-                         f"but no {INDEX_NAME}. Fix: copy the index file that came with them.")
-    raise ValueError(f"{model_dir} holds no weights ({SINGLE_FILE_NAME} or {INDEX_NAME}). "
-                     "Fix: pass the directory the checkpoint was downloaded or exported to.")
+        raise ValueError(
+            f"{model_dir} has shards ({', '.join(shards[:3])}{', ...' if len(shards) > 3 else ''}) "
+            f"but no {INDEX_NAME}. Fix: copy the index file that came with them."
+        )
+    raise ValueError(
+        f"{model_dir} holds no weights ({SINGLE_FILE_NAME} or {INDEX_NAME}). "
+        "Fix: pass the directory the checkpoint was downloaded or exported to."
+    )
 
 
 def stored_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
@@ -239,11 +269,15 @@ def stored_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
         if absent or extra:
             parts = []
             if absent:
-                parts.append(f"the index places {', '.join(absent[:5])} in it but the file lacks them")
+                parts.append(
+                    f"the index places {', '.join(absent[:5])} in it but the file lacks them"
+                )
             if extra:
                 parts.append(f"it holds {', '.join(extra[:5])}, which the index does not list")
-            raise ValueError(f"{INDEX_NAME} and shard {path.name} disagree: {'; '.join(parts)}. "
-                             "Fix: use the index written together with these shards.")
+            raise ValueError(
+                f"{INDEX_NAME} and shard {path.name} disagree: {'; '.join(parts)}. "
+                "Fix: use the index written together with these shards."
+            )
         headers.update(header)
     return {key: headers[key] for key in weight_map}
 
@@ -262,14 +296,16 @@ def load_drafter_state_dict(
     instant, and processes reading the same checkpoint share its pages. :func:`save_drafter` replaces
     files atomically, so rewriting a checkpoint never changes a mapped one under a running reader.
     """
-    from vllm_dspark.quant_plan import QuantPlanError, is_stray, resolve
+    from vllm_dspark.checkpoint.quant_plan import QuantPlanError, is_stray, resolve
 
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     raw = read_config_json(model_dir)
     stored = stored_tensors(model_dir)
     try:
-        plan = resolve(config, raw.get("quantization_config"), {k: t.dtype for k, t in stored.items()})
+        plan = resolve(
+            config, raw.get("quantization_config"), {k: t.dtype for k, t in stored.items()}
+        )
     except QuantPlanError as e:
         raise ValueError(f"{model_dir}: {e}") from None
     for warning in (plan.warning, plan.stray_warning()):
@@ -278,8 +314,12 @@ def load_drafter_state_dict(
     stored = {k: t for k, t in stored.items() if not is_stray(k, config)}
     quantized = plan.modules
     expected = {k: t.shape for k, t in expected_tensors(config, quantized).items()}
-    validate_tensor_shapes({k: t.shape for k, t in stored.items()}, expected, source=f"checkpoint {model_dir}",
-                           config=config)
+    validate_tensor_shapes(
+        {k: t.shape for k, t in stored.items()},
+        expected,
+        source=f"checkpoint {model_dir}",
+        config=config,
+    )
 
     state_dict: dict[str, torch.Tensor] = {}
     with TensorReader() as reader:
@@ -305,21 +345,25 @@ def _dequantize(
     module: str, fmt: str, shape: tuple[int, ...], read: Callable[[str], torch.Tensor]
 ) -> torch.Tensor:
     """``module``'s weight, dequantized from the ``fmt`` tensors that ``read(key)`` returns."""
-    from vllm_dspark import formats
+    from vllm_dspark.checkpoint import formats
 
     parts = {suffix: read(f"{module}.{suffix}") for suffix in formats.get(fmt).tensor_specs(shape)}
     for suffix, tensor in parts.items():
         bad = invalid_scale_count(tensor) if suffix.endswith("scale") else 0
         if bad:
-            raise ValueError(f"{module}.{suffix}: {bad} of {tensor.numel()} scale values are NaN, infinite, zero or "
-                             "negative, so the weight cannot be dequantized. Fix: re-quantize the BF16 checkpoint "
-                             "with `vllm-dspark quantize`.")
+            raise ValueError(
+                f"{module}.{suffix}: {bad} of {tensor.numel()} scale values are NaN, infinite, zero or "
+                "negative, so the weight cannot be dequantized. Fix: re-quantize the BF16 checkpoint "
+                "with `vllm-dspark quantize`."
+            )
     try:
         weight = formats.get(fmt).dequantize(parts, tuple(shape))
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"{module}: cannot dequantize its {fmt} weight: {e}") from None
     if tuple(weight.shape) != tuple(shape):
-        raise ValueError(f"{module}: its {fmt} tensors dequantize to shape {tuple(weight.shape)}, expected {shape}.")
+        raise ValueError(
+            f"{module}: its {fmt} tensors dequantize to shape {tuple(weight.shape)}, expected {shape}."
+        )
     return weight
 
 
@@ -337,18 +381,26 @@ def load_target_heads(
     elif target_dir.is_dir():
         weight_map = _weight_map(target_dir)
     else:
-        raise ValueError(f"target {target_dir} does not exist. Fix: pass the target model's directory (or a "
-                         f"safetensors file with {TARGET_EMBED_KEY} and {TARGET_LM_HEAD_KEY}).")
+        raise ValueError(
+            f"target {target_dir} does not exist. Fix: pass the target model's directory (or a "
+            f"safetensors file with {TARGET_EMBED_KEY} and {TARGET_LM_HEAD_KEY})."
+        )
     missing = [k for k in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY) if k not in weight_map]
     if missing:
-        raise ValueError(f"target {target_dir} lacks {' and '.join(missing)}. Fix: pass the target model the "
-                         "drafter was trained for; the drafter shares its embedding and lm_head.")
-    embed, lm_head = (read_tensor(weight_map[key], key) for key in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY))
+        raise ValueError(
+            f"target {target_dir} lacks {' and '.join(missing)}. Fix: pass the target model the "
+            "drafter was trained for; the drafter shares its embedding and lm_head."
+        )
+    embed, lm_head = (
+        read_tensor(weight_map[key], key) for key in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY)
+    )
     if dtype is not None:
         embed, lm_head = embed.to(dtype), lm_head.to(dtype)
     if embed.dim() != 2 or embed.shape != lm_head.shape:
-        raise ValueError(f"target {target_dir}: {TARGET_EMBED_KEY} {tuple(embed.shape)} and {TARGET_LM_HEAD_KEY} "
-                         f"{tuple(lm_head.shape)} must both be [vocab_size, hidden_size].")
+        raise ValueError(
+            f"target {target_dir}: {TARGET_EMBED_KEY} {tuple(embed.shape)} and {TARGET_LM_HEAD_KEY} "
+            f"{tuple(lm_head.shape)} must both be [vocab_size, hidden_size]."
+        )
     return embed, lm_head
 
 
@@ -384,8 +436,12 @@ def save_drafter(
         size += entry.nbytes
 
     model_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [model_dir / INDEX_NAME, model_dir / SINGLE_FILE_NAME, model_dir / CONFIG_NAME,
-                  *(p for p in model_dir.iterdir() if _SHARD_RE.match(p.name))]:
+    for stale in [
+        model_dir / INDEX_NAME,
+        model_dir / SINGLE_FILE_NAME,
+        model_dir / CONFIG_NAME,
+        *(p for p in model_dir.iterdir() if _SHARD_RE.match(p.name)),
+    ]:
         stale.unlink(missing_ok=True)
     names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     stream = iter(tensors)
@@ -394,6 +450,9 @@ def save_drafter(
             for _ in planned:
                 writer.write(*next(stream))
     weight_map = {entry.key: name for name, planned in zip(names, shards) for entry in planned}
-    index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_size": sum(e.nbytes for e in entries)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (model_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     (model_dir / CONFIG_NAME).write_text(json.dumps(dict(config_json), indent=2) + "\n")

@@ -25,17 +25,6 @@ from safetensors import safe_open
 
 from vllm_dspark.safety import staged
 
-__all__ = [
-    "SAFETENSORS_DTYPES",
-    "Entry",
-    "SafetensorsWriter",
-    "StoredTensor",
-    "TensorReader",
-    "read_header",
-    "read_tensor",
-    "save_tensors",
-]
-
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -91,7 +80,9 @@ def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt")
     except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
-        raise ValueError(f"{path} is not a readable safetensors file ({e}). Fix: re-copy or re-export it.") from None
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({e}). Fix: re-copy or re-export it."
+        ) from None
 
 
 def read_header(path: str | Path) -> dict[str, StoredTensor]:
@@ -104,8 +95,13 @@ def read_header(path: str | Path) -> dict[str, StoredTensor]:
         header = json.loads(f.read(length))
     header.pop("__metadata__", None)
     return {
-        key: StoredTensor(path, e["dtype"], tuple(e["shape"]), 8 + length + e["data_offsets"][0],
-                          e["data_offsets"][1] - e["data_offsets"][0])
+        key: StoredTensor(
+            path,
+            e["dtype"],
+            tuple(e["shape"]),
+            8 + length + e["data_offsets"][0],
+            e["data_offsets"][1] - e["data_offsets"][0],
+        )
         for key, e in header.items()
     }
 
@@ -142,7 +138,7 @@ def read_tensor(path: str | Path, key: str) -> torch.Tensor:
 
 def _write_all(file, data: memoryview) -> None:
     while data:  # an unbuffered write may be partial (Linux caps one at 2 GiB)
-        data = data[file.write(data):]
+        data = data[file.write(data) :]
 
 
 class SafetensorsWriter:
@@ -157,7 +153,11 @@ class SafetensorsWriter:
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for e in entries:
-            header[e.key] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+            header[e.key] = {
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "data_offsets": [offset, offset + e.nbytes],
+            }
             offset += e.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the format allows space padding; aligned data reads faster
@@ -173,7 +173,9 @@ class SafetensorsWriter:
             if key in self._written:
                 raise ValueError(f"tensor {key!r} written twice to {self.path}.")
             planned = self._pending[0].key if self._pending else "nothing more"
-            raise ValueError(f"tensor {key!r} written to {self.path} where its header plans {planned}.")
+            raise ValueError(
+                f"tensor {key!r} written to {self.path} where its header plans {planned}."
+            )
         self._written.add(key)
         return self._pending.popleft()
 
@@ -181,8 +183,13 @@ class SafetensorsWriter:
         entry = self._next(key)
         got = (SAFETENSORS_DTYPES.get(tensor.dtype), tuple(tensor.shape))
         if got != (entry.dtype, entry.shape):
-            raise ValueError(f"tensor {key!r} is {got}, but {self.path}'s header plans {(entry.dtype, entry.shape)}.")
-        _write_all(self._file, memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            raise ValueError(
+                f"tensor {key!r} is {got}, but {self.path}'s header plans {(entry.dtype, entry.shape)}."
+            )
+        _write_all(
+            self._file,
+            memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()),
+        )
 
     def copy(self, key: str, source: StoredTensor) -> None:
         """Copy a tensor's bytes from another file: bit-identical by construction."""
@@ -192,7 +199,10 @@ class SafetensorsWriter:
             while remaining:
                 try:  # in-kernel copy, no round trip through this process's memory
                     n = os.copy_file_range(src.fileno(), self._file.fileno(), remaining, offset)
-                except (AttributeError, OSError):  # not Linux, or a filesystem pair it does not support
+                except (
+                    AttributeError,
+                    OSError,
+                ):  # not Linux, or a filesystem pair it does not support
                     chunk = os.pread(src.fileno(), min(remaining, 64 << 20), offset)
                     _write_all(self._file, memoryview(chunk))
                     n = len(chunk)
@@ -204,7 +214,9 @@ class SafetensorsWriter:
     def close(self) -> None:
         if self._pending:
             self.abort()
-            raise ValueError(f"{self.path}: {len(self._pending)} planned tensors were never written.")
+            raise ValueError(
+                f"{self.path}: {len(self._pending)} planned tensors were never written."
+            )
         self._file.close()
         self._staging.__exit__(None, None, None)
 

@@ -17,7 +17,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from vllm_dspark.layout import module_kind
+from vllm_dspark.checkpoint.layout import module_kind
 
 
 def _step(title: str) -> None:
@@ -32,33 +32,60 @@ def _quant_summary(model) -> dict[str, list[str]]:
     for name, module in model.named_modules():
         if isinstance(module, LinearBase):
             scheme = getattr(module, "scheme", None)
-            how = type(scheme).__name__ if scheme is not None else type(module.quant_method).__name__
+            how = (
+                type(scheme).__name__ if scheme is not None else type(module.quant_method).__name__
+            )
             kinds.setdefault(how, set()).add(module_kind(name))
     return {how: sorted(k) for how, k in kinds.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_dspark.demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_dspark.tools.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", type=Path, default=Path("demo-out"))
     parser.add_argument("--preset", default="small")
-    parser.add_argument("--blocks", type=int, default=128, help="blocks per regime in the drift table")
+    parser.add_argument(
+        "--blocks", type=int, default=128, help="blocks per regime in the drift table"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from vllm_dspark import cli
+    from vllm_dspark.tools import cli
 
     drafter, fp8 = args.out / "drafter", args.out / "drafter-fp8"
     _step(f"1/5 make-random --preset {args.preset} --out {drafter}")
     # The demo owns its output folder: a rerun replaces it.
-    rc = cli.main(["make-random", "--preset", args.preset, "--out", str(drafter), "--seed", str(args.seed),
-                   "--overwrite"])
+    rc = cli.main(
+        [
+            "make-random",
+            "--preset",
+            args.preset,
+            "--out",
+            str(drafter),
+            "--seed",
+            str(args.seed),
+            "--overwrite",
+        ]
+    )
     if rc:
         return rc
 
     _step(f"2/5 quantize --quant_format fp8 --output_dir {fp8}")
-    rc = cli.main(["quantize", "--model_dir", str(drafter), "--output_dir", str(fp8), "--quant_format", "fp8",
-                   "--overwrite"])
+    rc = cli.main(
+        [
+            "quantize",
+            "--model_dir",
+            str(drafter),
+            "--output_dir",
+            str(fp8),
+            "--quant_format",
+            "fp8",
+            "--overwrite",
+        ]
+    )
     if rc:
         return rc
 
@@ -68,21 +95,37 @@ def main(argv: list[str] | None = None) -> int:
         return rc
 
     _step("4/5 load through vLLM's dspark loader (load_dspark_model -> get_model -> load_weights)")
-    from vllm_dspark.vllm_load import load_with_vllm
+    from vllm_dspark.tools.vllm_load import load_with_vllm
 
     for path in (drafter, fp8):
         served = load_with_vllm(path, dtype="bfloat16")
         counts = Counter(type(p).__name__ for p in served.model.parameters())
-        print(f"{path.name}: {type(served.model).__name__}, draft layers "
-              f"{[layer.self_attn.layer_name for layer in served.model.model.layers]}, "
-              f"{sum(counts.values())} parameters")
+        print(
+            f"{path.name}: {type(served.model).__name__}, draft layers "
+            f"{[layer.self_attn.layer_name for layer in served.model.model.layers]}, "
+            f"{sum(counts.values())} parameters"
+        )
         for how, kinds in _quant_summary(served.model).items():
             print(f"  {how}: {', '.join(kinds)}")
 
     _step(f"5/5 eval: drift from the FP32 reference ({args.blocks} blocks per regime)")
-    return cli.main(["eval", "--model", str(drafter),
-                     "--regimes", "gauss", "heavy", "boot", "--blocks", str(args.blocks),
-                     "--out", str(args.out / "eval"), "--seed", str(args.seed)])
+    return cli.main(
+        [
+            "eval",
+            "--model",
+            str(drafter),
+            "--regimes",
+            "gauss",
+            "heavy",
+            "boot",
+            "--blocks",
+            str(args.blocks),
+            "--out",
+            str(args.out / "eval"),
+            "--seed",
+            str(args.seed),
+        ]
+    )
 
 
 if __name__ == "__main__":

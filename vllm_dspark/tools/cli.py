@@ -19,12 +19,27 @@ import sys
 import traceback
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "make-random": ("vllm_dspark.make_random", "write a random drafter checkpoint in the real on-disk layout"),
-    "draft": ("vllm_dspark.draft", "draft one block per request with the reference drafter"),
-    "quantize": ("vllm_dspark.quantize", "quantize a drafter to FP8 / MXFP4 / NVFP4 weight-only (compressed-tensors)"),
-    "check": ("vllm_dspark.check", "verify a drafter checkpoint's structure before serving it"),
-    "eval": ("vllm_dspark.drift.cli", "measure a quantized drafter's drift from the FP32 reference"),
-    "doctor": ("vllm_dspark.doctor", "check a --speculative-config against the drafter and this machine"),
+    "make-random": (
+        "vllm_dspark.checkpoint.make_random",
+        "write a random drafter checkpoint in the real on-disk layout",
+    ),
+    "draft": ("vllm_dspark.tools.draft", "draft one block per request with the reference drafter"),
+    "quantize": (
+        "vllm_dspark.checkpoint.quantize",
+        "quantize a drafter to FP8 / MXFP4 / NVFP4 weight-only (compressed-tensors)",
+    ),
+    "check": (
+        "vllm_dspark.checkpoint.check",
+        "verify a drafter checkpoint's structure before serving it",
+    ),
+    "eval": (
+        "vllm_dspark.drift.cli",
+        "measure a quantized drafter's drift from the FP32 reference",
+    ),
+    "doctor": (
+        "vllm_dspark.doctor",
+        "check a --speculative-config against the drafter and this machine",
+    ),
 }
 
 
@@ -32,8 +47,11 @@ def _usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: vllm-dspark COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "`vllm-dspark COMMAND --help` describes a command's arguments; `--debug` (or "
-              "VLLM_DSPARK_DEBUG=1) shows the traceback behind an error."]
+    lines += [
+        "",
+        "`vllm-dspark COMMAND --help` describes a command's arguments; `--debug` (or "
+        "VLLM_DSPARK_DEBUG=1) shows the traceback behind an error.",
+    ]
     return "\n".join(lines)
 
 
@@ -58,8 +76,10 @@ def run_command(name: str, argv: list[str], *, debug: bool = False) -> int:
             traceback.print_exc()
         if received or isinstance(e, KeyboardInterrupt):
             signum = received[0] if received else signal.SIGINT
-            print(f"{prog}: interrupted by {signal.Signals(signum).name}; partial output removed, inputs untouched.",
-                  file=sys.stderr)
+            print(
+                f"{prog}: interrupted by {signal.Signals(signum).name}; partial output removed, inputs untouched.",
+                file=sys.stderr,
+            )
             return 128 + signum
         message = describe_os_error(e) if isinstance(e, OSError) else _one_line(str(e))
         print(f"{prog}: error: {message}", file=sys.stderr)

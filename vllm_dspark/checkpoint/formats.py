@@ -6,7 +6,7 @@ a format chooses its scheme, declares the tensors it stores per module, and reco
 config groups and stored tensors. :data:`REGISTRY` holds them by name; every tool asks it, so a
 new format is one registered class. The math runs in row chunks (:func:`quantize_weight` and
 friends) so a large projection never needs the whole float32 weight as scratch. Which modules
-one quantizes is :mod:`vllm_dspark.quant_plan`'s.
+one quantizes is :mod:`vllm_dspark.checkpoint.quant_plan`'s.
 """
 
 from __future__ import annotations
@@ -29,9 +29,13 @@ from compressed_tensors.quantization import (
     preset_name_to_scheme,
 )
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
-from compressed_tensors.quantization.utils import calculate_qparams, compute_dynamic_scales_and_zp, generate_gparam
+from compressed_tensors.quantization.utils import (
+    calculate_qparams,
+    compute_dynamic_scales_and_zp,
+    generate_gparam,
+)
 
-from vllm_dspark.layout import (
+from vllm_dspark.checkpoint.layout import (
     GLOBAL_KINDS,
     LAYER_KINDS,
     QUANTIZABLE_KINDS,
@@ -58,14 +62,24 @@ class TensorSpec:
     also: tuple[torch.dtype, ...] = ()
 
 
-_WEIGHT_FIELDS = ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic", "scale_dtype")
+_WEIGHT_FIELDS = (
+    "num_bits",
+    "type",
+    "strategy",
+    "group_size",
+    "symmetric",
+    "dynamic",
+    "scale_dtype",
+)
 
 
 class QuantFormat:
     """One weight-only format: its compressed-tensors scheme and the tensors it stores per module."""
 
     name: str  # the --quant_format value and the eval variant name
-    preset: str  # the compressed-tensors preset whose weight args it takes (input activations dropped)
+    preset: (
+        str  # the compressed-tensors preset whose weight args it takes (input activations dropped)
+    )
     format_strings: tuple[str, ...]  # the compressed-tensors format labels vLLM loads it from
     description: str  # one line for --help and error messages
     contract = _WEIGHT_FIELDS  # the weight args a config group must share with the scheme to be this format
@@ -74,7 +88,9 @@ class QuantFormat:
     @functools.cached_property
     def scheme(self) -> QuantizationScheme:
         """The compressed-tensors scheme (targets filled in by :func:`compressed_tensors_config`)."""
-        scheme = preset_name_to_scheme(self.preset, targets=[]).model_copy(update={"input_activations": None})
+        scheme = preset_name_to_scheme(self.preset, targets=[]).model_copy(
+            update={"input_activations": None}
+        )
         scheme.format = infer_module_format(torch.nn.Linear, scheme)
         return scheme
 
@@ -103,13 +119,19 @@ class QuantFormat:
         """The one global scale weights that vLLM fuses must share; None for a format without one."""
         return None
 
-    def quantize(self, weight: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def quantize(
+        self, weight: torch.Tensor, global_scale: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         return quantize_weight(weight, self.name, global_scale=global_scale)
 
-    def fake_quantize(self, weight: torch.Tensor, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def fake_quantize(
+        self, weight: torch.Tensor, global_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return fake_quantize_weight(weight, self.name, global_scale=global_scale)
 
-    def dequantize(self, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+    def dequantize(
+        self, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
+    ) -> torch.Tensor:
         return dequantize_weight(dict(tensors), self.name, shape)
 
     def snr_db(self, weight: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> float:
@@ -130,7 +152,9 @@ def get(name: str) -> QuantFormat:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown quant format {name!r}; choose one of {', '.join(REGISTRY)}") from None
+        raise ValueError(
+            f"unknown quant format {name!r}; choose one of {', '.join(REGISTRY)}"
+        ) from None
 
 
 def names() -> tuple[str, ...]:
@@ -190,8 +214,11 @@ class MXFP4(_FP4):
     scale_dtype = torch.uint8
 
     def identify(self, dtypes: Mapping[str, str]) -> bool:
-        return ("weight_packed" in dtypes and "weight_global_scale" not in dtypes
-                and dtypes.get("weight_scale") == "U8")
+        return (
+            "weight_packed" in dtypes
+            and "weight_global_scale" not in dtypes
+            and dtypes.get("weight_scale") == "U8"
+        )
 
 
 @register
@@ -237,7 +264,9 @@ def _check_weight(weight: torch.Tensor, fmt: str) -> None:
         raise ValueError(f"expected a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
     g = get(fmt).group_size
     if g is not None and weight.shape[1] % g:
-        raise ValueError(f"{fmt} quantizes groups of {g} input columns, but the weight has {weight.shape[1]}")
+        raise ValueError(
+            f"{fmt} quantizes groups of {g} input columns, but the weight has {weight.shape[1]}"
+        )
 
 
 def _scales(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> torch.Tensor:
@@ -249,7 +278,9 @@ def _scales(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> tor
     return scale
 
 
-def _global_scale(weight: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> torch.Tensor | None:
+def _global_scale(
+    weight: torch.Tensor, fmt: str, global_scale: torch.Tensor | None
+) -> torch.Tensor | None:
     """Validate ``weight`` for ``fmt`` and return the global scale it quantizes with, if its format has one."""
     _check_weight(weight, fmt)
     if global_scale is not None and not get(fmt).has_global_scale:
@@ -283,14 +314,20 @@ def quantize_weight(
             if global_scale is not None:
                 state["weight_global_scale"] = global_scale
             pieces.append(compressor.compress(state, scheme))
-    out = {suffix: torch.cat([p[suffix] for p in pieces]) for suffix in pieces[0] if suffix != "weight_global_scale"}
+    out = {
+        suffix: torch.cat([p[suffix] for p in pieces])
+        for suffix in pieces[0]
+        if suffix != "weight_global_scale"
+    }
     if global_scale is not None:
         out["weight_global_scale"] = global_scale
     return out
 
 
 @torch.no_grad()
-def fake_quantize_weight(weight: torch.Tensor, fmt: str, *, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+def fake_quantize_weight(
+    weight: torch.Tensor, fmt: str, *, global_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """float32 [N, K]: ``weight`` as ``fmt`` represents it, without building the packed tensors.
 
     compressed-tensors' ``fake_quantize`` with the scales :func:`quantize_weight` stores. In BF16 it
@@ -302,16 +339,22 @@ def fake_quantize_weight(weight: torch.Tensor, fmt: str, *, global_scale: torch.
     with torch.compiler.set_stance("force_eager"):
         for rows in _row_chunks(*weight.shape):
             x = weight[rows].float()
-            out[rows] = fake_quantize(x, _scales(x, fmt, global_scale), None, args, global_scale=global_scale)
+            out[rows] = fake_quantize(
+                x, _scales(x, fmt, global_scale), None, args, global_scale=global_scale
+            )
     return out
 
 
 @torch.no_grad()
-def dequantize_weight(tensors: dict[str, torch.Tensor], fmt: str, shape: tuple[int, int]) -> torch.Tensor:
+def dequantize_weight(
+    tensors: dict[str, torch.Tensor], fmt: str, shape: tuple[int, int]
+) -> torch.Tensor:
     """float32 [N, K] weight back from ``tensors`` (suffix -> tensor), by compressed-tensors' decompressor."""
     weight = _compressor(fmt).decompress(dict(tensors), _scheme(fmt))["weight"]
     if tuple(weight.shape) != tuple(shape):
-        raise ValueError(f"{fmt} tensors decompress to {tuple(weight.shape)}, expected {tuple(shape)}")
+        raise ValueError(
+            f"{fmt} tensors decompress to {tuple(weight.shape)}, expected {tuple(shape)}"
+        )
     return weight.float()
 
 
@@ -323,7 +366,9 @@ def weight_snr_db(weight: torch.Tensor, tensors: dict[str, torch.Tensor], fmt: s
         # Per-row tensors are 2-D; global and per-tensor scales are 1-D and serve every chunk.
         chunk = {s: t[rows] if t.dim() == 2 else t for s, t in tensors.items()}
         ref = weight[rows].float().flatten()
-        diff = ref - dequantize_weight(chunk, fmt, (rows.stop - rows.start, weight.shape[1])).flatten()
+        diff = (
+            ref - dequantize_weight(chunk, fmt, (rows.stop - rows.start, weight.shape[1])).flatten()
+        )
         # BLAS dot products accumulate blockwise: float32 is exact enough for a dB figure.
         signal += float(torch.dot(ref, ref))
         noise += float(torch.dot(diff, diff))
@@ -334,10 +379,12 @@ def weight_snr_db(weight: torch.Tensor, tensors: dict[str, torch.Tensor], fmt: s
     return 10.0 * math.log10(signal / noise)
 
 
-# --- quantization_config --------------------------------------------------------------------
+# ----- quantization_config -----
 
 
-def validate_include_kinds(include_kinds: Sequence[str], fmt: str, config: "K3DSparkConfig") -> tuple[str, ...]:
+def validate_include_kinds(
+    include_kinds: Sequence[str], fmt: str, config: "K3DSparkConfig"
+) -> tuple[str, ...]:
     """The included kinds in checkpoint order; ``ValueError`` naming the fix for any bad choice."""
     g = get(fmt).group_size
     kinds = list(dict.fromkeys(include_kinds))
@@ -359,13 +406,21 @@ def validate_include_kinds(include_kinds: Sequence[str], fmt: str, config: "K3DS
         )
     validate_fused_decision(set(kinds))
     if g is not None:
-        bad = [f"{k} (in_features {specs[k].shape[1]})" for k in kinds if k in specs and specs[k].shape[1] % g]
+        bad = [
+            f"{k} (in_features {specs[k].shape[1]})"
+            for k in kinds
+            if k in specs and specs[k].shape[1] % g
+        ]
         if bad:
-            raise ValueError(f"{fmt} quantizes groups of {g} input columns, which does not divide {', '.join(bad)}")
+            raise ValueError(
+                f"{fmt} quantizes groups of {g} input columns, which does not divide {', '.join(bad)}"
+            )
     return tuple(k for k in QUANTIZABLE_KINDS if k in kinds)
 
 
-def quantization_config(fmt: str, include_kinds: Sequence[str], config: "K3DSparkConfig") -> dict[str, Any]:
+def quantization_config(
+    fmt: str, include_kinds: Sequence[str], config: "K3DSparkConfig"
+) -> dict[str, Any]:
     """The ``quantization_config`` block of config.json for quantizing ``include_kinds`` to ``fmt``.
 
     One config group whose targets are index-agnostic ``re:`` patterns of the included kinds, and
@@ -374,14 +429,20 @@ def quantization_config(fmt: str, include_kinds: Sequence[str], config: "K3DSpar
     """
     kinds = validate_include_kinds(include_kinds, fmt, config)
     present = dict.fromkeys(spec.kind for spec in checkpoint_modules(config))
-    return compressed_tensors_config({fmt: [kind_regex(k) for k in kinds]},
-                                     ignore=[kind_regex(k) for k in present if k not in kinds])
+    return compressed_tensors_config(
+        {fmt: [kind_regex(k) for k in kinds]},
+        ignore=[kind_regex(k) for k in present if k not in kinds],
+    )
 
 
-def compressed_tensors_config(targets: Mapping[str, Sequence[str]], *, ignore: Sequence[str]) -> dict[str, Any]:
+def compressed_tensors_config(
+    targets: Mapping[str, Sequence[str]], *, ignore: Sequence[str]
+) -> dict[str, Any]:
     """A ``quantization_config`` dict: one config group per format in ``targets`` ({fmt: target entries})."""
-    groups = {f"group_{i}": get(fmt).scheme.model_copy(update={"targets": list(entries)})
-              for i, (fmt, entries) in enumerate(targets.items())}
+    groups = {
+        f"group_{i}": get(fmt).scheme.model_copy(update={"targets": list(entries)})
+        for i, (fmt, entries) in enumerate(targets.items())
+    }
     qc = QuantizationConfig(
         config_groups=groups,
         format=next(iter(groups.values())).format if len(groups) == 1 else "mixed-precision",
@@ -391,13 +452,15 @@ def compressed_tensors_config(targets: Mapping[str, Sequence[str]], *, ignore: S
     return qc.model_dump(mode="json")
 
 
-# --- reading a quantization_config ------------------------------------------------------------
+# ----- reading a quantization_config -----
 
 
 def _group_format(scheme: QuantizationScheme, top_format: str | None) -> str:
     """Which registered format a config group is; ``ValueError`` if none."""
     if scheme.input_activations is not None or scheme.output_activations is not None:
-        raise ValueError("the config group quantizes activations; only weight-only formats are supported here")
+        raise ValueError(
+            "the config group quantizes activations; only weight-only formats are supported here"
+        )
     w = scheme.weights
     if w is None:
         raise ValueError("the config group has no weight quantization")
@@ -441,5 +504,7 @@ def format_of(quantization_config: dict[str, Any]) -> str:
     """The one format a ``quantization_config`` stores its weights in."""
     found = set(group_formats(quantization_config).values())
     if len(found) != 1:
-        raise ValueError(f"expected one weight format across config groups, found {sorted(found) or 'none'}")
+        raise ValueError(
+            f"expected one weight format across config groups, found {sorted(found) or 'none'}"
+        )
     return found.pop()

@@ -4,7 +4,7 @@
 It computes what vLLM's ``dspark`` speculator gets from ``K3DSparkForCausalLM`` with no vLLM kernel:
 the context latents (aux states -> ``context_proj`` -> per-layer ``kv_a_proj_with_mqa``), the block
 ``[anchor, mask x (N-1)]`` through non-causal MLA + SwiGLU layers, then the heads (logits, the
-Markov rollout of :mod:`vllm_dspark.sampling`, the confidence head). Attention exists in the naive
+Markov rollout of :mod:`vllm_dspark.ops.sampling`, the confidence head). Attention exists in the naive
 form (latents up-projected by ``kv_b_proj``) and the absorbed one the GPU kernels run; they must
 agree. Module and parameter names mirror the checkpoint, so ``state_dict()`` keys are the HF keys.
 Weights stored narrower than ``compute_dtype`` are upcast per use (exact for BF16 -> FP32).
@@ -19,14 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_dspark.checkpoint import load_config, load_drafter_state_dict, load_target_heads, validate_tensor_shapes
+from vllm_dspark.checkpoint.layout import tensor_shapes
+from vllm_dspark.checkpoint.store import (
+    load_config,
+    load_drafter_state_dict,
+    load_target_heads,
+    validate_tensor_shapes,
+)
 from vllm_dspark.config import K3DSparkConfig
-from vllm_dspark.layout import tensor_shapes
-from vllm_dspark.rope import RotaryEmbedding, softmax_scale
+from vllm_dspark.ops.rope import RotaryEmbedding, softmax_scale
+from vllm_dspark.ops.sampling import markov_rollout
 from vllm_dspark.safety import require_finite
-from vllm_dspark.sampling import markov_rollout
-
-__all__ = ["DraftOutput", "ReferenceDrafter"]
 
 # A weight stored narrower than the compute dtype is upcast a slab of output rows at a time into one
 # reused, cache-sized scratch buffer: upcasting whole weights would allocate (and page-fault in) a
@@ -117,15 +120,21 @@ class MultiHeadLatentAttention(nn.Module):
         self.rope = rope
         self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-        self.q_b_proj = Linear(c.q_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim))
+        self.q_b_proj = Linear(
+            c.q_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+        )
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
-        self.kv_b_proj = Linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim))
+        self.kv_b_proj = Linear(
+            c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
+        )
         self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size)
 
     def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[..., T, H]`` (normed), ``[..., T]`` -> ``[..., T, kv_lora_rank + rope]``: what the KV page holds."""
-        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
         return torch.cat([self.kv_a_layernorm(kv_c), self.rope(k_pe, positions)], dim=-1)
 
     def forward(
@@ -150,7 +159,9 @@ class MultiHeadLatentAttention(nn.Module):
         out = attend(q_nope, q_pe, latents, key_mask)  # [B, N, heads, v_head_dim]
         return self.o_proj(out.flatten(-2))
 
-    def _probs(self, q: torch.Tensor, k: torch.Tensor, equation: str, key_mask: torch.Tensor) -> torch.Tensor:
+    def _probs(
+        self, q: torch.Tensor, k: torch.Tensor, equation: str, key_mask: torch.Tensor
+    ) -> torch.Tensor:
         """Masked softmax of ``scale * q.k`` over the keys, as ``[B, heads, N, S]`` in q's dtype.
 
         Scores and softmax run in (at least) fp32 from the operands' exact values, as the MLA kernels
@@ -168,7 +179,9 @@ class MultiHeadLatentAttention(nn.Module):
         """
         kv_c, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         batch, keys, _ = kv_c.shape
-        kv = self.kv_b_proj(kv_c).view(batch, keys, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        kv = self.kv_b_proj(kv_c).view(
+            batch, keys, self.num_heads, self.qk_nope_head_dim + self.v_head_dim
+        )
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         # The rope part of the key is one MQA head shared by every query head.
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.num_heads, -1)], dim=-1)
@@ -183,10 +196,14 @@ class MultiHeadLatentAttention(nn.Module):
         """
         kv_c = latents[..., : self.kv_lora_rank]
         # kv_b_proj rows are per head [k_nope (P) ; v (V)], each a map from the kv_lora_rank latent.
-        w = self.kv_b_proj.weight.to(kv_c.dtype).view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        w = self.kv_b_proj.weight.to(kv_c.dtype).view(
+            self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1
+        )
         w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
         q_latent = torch.einsum("bnhp,hpl->bnhl", q_nope, w_uk)
-        probs = self._probs(torch.cat([q_latent, q_pe], dim=-1), latents, "bnhd,bsd->bhns", key_mask)
+        probs = self._probs(
+            torch.cat([q_latent, q_pe], dim=-1), latents, "bnhd,bsd->bhns", key_mask
+        )
         out_latent = torch.einsum("bhns,bsl->bnhl", probs, kv_c)
         return torch.einsum("bnhl,hvl->bnhv", out_latent, w_uv)
 
@@ -220,7 +237,9 @@ class DecoderLayer(nn.Module):
         key_mask: torch.Tensor,
         absorbed: bool,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, context_latent, key_mask, absorbed)
+        x = x + self.self_attn(
+            self.input_layernorm(x), positions, context_latent, key_mask, absorbed
+        )
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -239,10 +258,16 @@ class ConfidenceHead(nn.Module):
     def __init__(self, config: K3DSparkConfig) -> None:
         super().__init__()
         self.with_markov = bool(config.confidence_head_with_markov)
-        self.proj = Linear(config.hidden_size + (config.markov_rank if self.with_markov else 0), 1, bias=True)
+        self.proj = Linear(
+            config.hidden_size + (config.markov_rank if self.with_markov else 0), 1, bias=True
+        )
 
     def forward(self, hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([hidden, markov_embed.to(hidden.dtype)], dim=-1) if self.with_markov else hidden
+        x = (
+            torch.cat([hidden, markov_embed.to(hidden.dtype)], dim=-1)
+            if self.with_markov
+            else hidden
+        )
         return self.proj(x.float()).squeeze(-1)
 
 
@@ -261,7 +286,9 @@ class DraftOutput:
 class ReferenceDrafter(nn.Module):
     """The K3 DSpark drafter in plain PyTorch. Build it with :meth:`from_pretrained` or :meth:`from_state_dict`."""
 
-    def __init__(self, config: K3DSparkConfig, *, compute_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: K3DSparkConfig, *, compute_dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         c = config
         self.config = config
@@ -298,14 +325,20 @@ class ReferenceDrafter(nn.Module):
         weights = {k: v for k, v in state_dict.items() if k != "embed_tokens.weight"}
         expected: dict[str, tuple[int, ...] | None] = dict(tensor_shapes(config))
         del expected["embed_tokens.weight"]
-        validate_tensor_shapes({k: tuple(v.shape) for k, v in weights.items()}, expected,
-                               source="state_dict", config=config)
+        validate_tensor_shapes(
+            {k: tuple(v.shape) for k, v in weights.items()},
+            expected,
+            source="state_dict",
+            config=config,
+        )
         heads_shape = (config.vocab_size, config.hidden_size)
         for name, tensor in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
             if tuple(tensor.shape) != heads_shape:
-                raise ValueError(f"target {name} has shape {tuple(tensor.shape)}, but the drafter's config needs "
-                                 f"{heads_shape} (vocab_size, hidden_size). Fix: pass the target the drafter "
-                                 "was trained for.")
+                raise ValueError(
+                    f"target {name} has shape {tuple(tensor.shape)}, but the drafter's config needs "
+                    f"{heads_shape} (vocab_size, hidden_size). Fix: pass the target the drafter "
+                    "was trained for."
+                )
         weights["embed_tokens.weight"] = embed_tokens
         weights["lm_head.weight"] = lm_head
 
@@ -318,7 +351,9 @@ class ReferenceDrafter(nn.Module):
 
         with torch.device("meta"):
             model = cls(config, compute_dtype=compute_dtype)
-        model.load_state_dict({k: stored(k, v) for k, v in weights.items()}, strict=True, assign=True)
+        model.load_state_dict(
+            {k: stored(k, v) for k, v in weights.items()}, strict=True, assign=True
+        )
         return model.eval()
 
     @classmethod
@@ -341,14 +376,22 @@ class ReferenceDrafter(nn.Module):
         if target_dir is None:
             target_dir = model_dir / "target"
             if not target_dir.exists():
-                raise ValueError(f"no target given and {target_dir} does not exist. Fix: pass the target model "
-                                 "directory (--target), whose embedding and lm_head the drafter shares.")
+                raise ValueError(
+                    f"no target given and {target_dir} does not exist. Fix: pass the target model "
+                    "directory (--target), whose embedding and lm_head the drafter shares."
+                )
         load_dtype = None if compute_dtype == torch.float32 else compute_dtype
         config, state_dict = load_drafter_state_dict(model_dir, dtype=load_dtype)
         state_dict.pop("embed_tokens.weight", None)
         embed_tokens, lm_head = load_target_heads(target_dir, dtype=load_dtype)
-        return cls.from_state_dict(config, state_dict, embed_tokens=embed_tokens, lm_head=lm_head,
-                                   compute_dtype=compute_dtype, device=device)
+        return cls.from_state_dict(
+            config,
+            state_dict,
+            embed_tokens=embed_tokens,
+            lm_head=lm_head,
+            compute_dtype=compute_dtype,
+            device=device,
+        )
 
     # ----- the hooks vLLM's speculator calls, as pure tensor functions -----
 
@@ -366,7 +409,9 @@ class ReferenceDrafter(nn.Module):
 
     def block_input_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """``[B]`` -> ``[B, N]``: the anchor followed by ``block_size - 1`` mask tokens."""
-        masks = anchor_ids.new_full((anchor_ids.shape[0], self.config.block_size - 1), self.config.mask_token_id)
+        masks = anchor_ids.new_full(
+            (anchor_ids.shape[0], self.config.block_size - 1), self.config.mask_token_id
+        )
         return torch.cat([anchor_ids[:, None], masks], dim=1)
 
     def block_hidden(
@@ -396,7 +441,9 @@ class ReferenceDrafter(nn.Module):
         num_context = context_kv.shape[2]
         if context_mask is None:
             context_mask = torch.ones(batch, num_context, dtype=torch.bool, device=x.device)
-        key_mask = torch.cat([context_mask.bool(), context_mask.new_ones(batch, block, dtype=torch.bool)], dim=1)
+        key_mask = torch.cat(
+            [context_mask.bool(), context_mask.new_ones(batch, block, dtype=torch.bool)], dim=1
+        )
         for layer, context_latent in zip(self.layers, context_kv):
             x = layer(x, block_positions, context_latent, key_mask, absorbed)
         return self.final_norm(x)
@@ -421,7 +468,9 @@ class ReferenceDrafter(nn.Module):
         for layer in self.layers:
             latents = layer.self_attn.latent(layer.input_layernorm(x), positions)  # [B, T, latent]
             context = latents.repeat_interleave(length, dim=0)  # [B*T, T, latent]
-            x = layer(x.reshape(batch * length, 1, -1), positions.reshape(-1, 1), context, key_mask, True)
+            x = layer(
+                x.reshape(batch * length, 1, -1), positions.reshape(-1, 1), context, key_mask, True
+            )
             x = x.reshape(batch, length, -1)
             states.append(x)
         return states
@@ -436,12 +485,16 @@ class ReferenceDrafter(nn.Module):
 
     def markov_bias(self, m: torch.Tensor) -> torch.Tensor:
         """``logit_scale * m @ W2^T`` in fp32 (``[..., r] -> [..., V]``)."""
-        return self.markov_head.markov_w2(m.to(self.compute_dtype)).float() * self.config.logit_scale
+        return (
+            self.markov_head.markov_w2(m.to(self.compute_dtype)).float() * self.config.logit_scale
+        )
 
     def confidence(self, hidden: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """Probability in (0, 1) that each drafted token is accepted given its prefix was (``[...]``)."""
         if self.confidence_head is None:
-            raise ValueError("this drafter has no confidence head (enable_confidence_head is false in its config).")
+            raise ValueError(
+                "this drafter has no confidence head (enable_confidence_head is false in its config)."
+            )
         return torch.sigmoid(self.confidence_head(hidden, m))
 
     # ----- one block end to end -----
@@ -474,54 +527,108 @@ class ReferenceDrafter(nn.Module):
         if context_mask is None:
             last = context_positions.max(dim=1).values
         else:
-            last = context_positions.masked_fill(~context_mask, torch.iinfo(context_positions.dtype).min).max(1).values
+            last = (
+                context_positions.masked_fill(
+                    ~context_mask, torch.iinfo(context_positions.dtype).min
+                )
+                .max(1)
+                .values
+            )
         offsets = torch.arange(1, self.config.block_size + 1, device=last.device)
         block_positions = last[:, None] + offsets
 
         context = self.combine_hidden_states(aux)
-        hidden = self.block_hidden(anchor_ids, self.context_kv(context, context_positions), block_positions,
-                                   context_mask=context_mask, absorbed=absorbed)
-        rollout = markov_rollout(self.base_logits(hidden), anchor_ids, self.markov_embed, self.markov_bias,
-                                 temperature=temperature, seeds=seeds, positions=block_positions)
-        confidences = None if self.confidence_head is None else self.confidence(hidden, rollout.markov_embeds)
-        return DraftOutput(rollout.tokens, rollout.logits, confidences, rollout.markov_embeds, hidden,
-                           block_positions)
+        hidden = self.block_hidden(
+            anchor_ids,
+            self.context_kv(context, context_positions),
+            block_positions,
+            context_mask=context_mask,
+            absorbed=absorbed,
+        )
+        rollout = markov_rollout(
+            self.base_logits(hidden),
+            anchor_ids,
+            self.markov_embed,
+            self.markov_bias,
+            temperature=temperature,
+            seeds=seeds,
+            positions=block_positions,
+        )
+        confidences = (
+            None if self.confidence_head is None else self.confidence(hidden, rollout.markov_embeds)
+        )
+        return DraftOutput(
+            rollout.tokens,
+            rollout.logits,
+            confidences,
+            rollout.markov_embeds,
+            hidden,
+            block_positions,
+        )
 
     def _check_draft_inputs(self, aux, context_positions, anchor_ids, context_mask, seeds) -> None:
         c = self.config
         width = c.num_target_layers * c.target_hidden_size
         if aux.dim() != 3 or aux.shape[-1] != width:
-            raise ValueError(f"aux_hidden_states must be [B, T, {width}] (num_target_layers {c.num_target_layers} x "
-                             f"target_hidden_size {c.target_hidden_size}), got shape {tuple(aux.shape)}.")
+            raise ValueError(
+                f"aux_hidden_states must be [B, T, {width}] (num_target_layers {c.num_target_layers} x "
+                f"target_hidden_size {c.target_hidden_size}), got shape {tuple(aux.shape)}."
+            )
         batch, num_context, _ = aux.shape
         if batch < 1 or num_context < 1:
-            raise ValueError(f"aux_hidden_states has shape {tuple(aux.shape)}: every request needs at least one "
-                             "context token, and there must be at least one request.")
+            raise ValueError(
+                f"aux_hidden_states has shape {tuple(aux.shape)}: every request needs at least one "
+                "context token, and there must be at least one request."
+            )
         if not aux.is_floating_point():
             raise ValueError(f"aux_hidden_states must be floating point, got {aux.dtype}.")
-        require_finite(aux, "aux_hidden_states", "pass the target's real hidden states; NaN or Inf would draft garbage")
-        if tuple(context_positions.shape) != (batch, num_context) or context_positions.is_floating_point():
-            raise ValueError(f"context_positions must be integer [B, T] = [{batch}, {num_context}], got "
-                             f"{context_positions.dtype} {tuple(context_positions.shape)}.")
+        require_finite(
+            aux,
+            "aux_hidden_states",
+            "pass the target's real hidden states; NaN or Inf would draft garbage",
+        )
+        if (
+            tuple(context_positions.shape) != (batch, num_context)
+            or context_positions.is_floating_point()
+        ):
+            raise ValueError(
+                f"context_positions must be integer [B, T] = [{batch}, {num_context}], got "
+                f"{context_positions.dtype} {tuple(context_positions.shape)}."
+            )
         # The block runs to last + block_size, which must stay inside the rotary table.
         top = c.max_position_embeddings - c.block_size
         if bool(((context_positions < 0) | (context_positions >= top)).any()):
-            raise ValueError(f"context_positions must lie in [0, {top}) (max_position_embeddings "
-                             f"{c.max_position_embeddings} - block_size {c.block_size}, so the block fits), got "
-                             f"values from {int(context_positions.min())} to {int(context_positions.max())}.")
+            raise ValueError(
+                f"context_positions must lie in [0, {top}) (max_position_embeddings "
+                f"{c.max_position_embeddings} - block_size {c.block_size}, so the block fits), got "
+                f"values from {int(context_positions.min())} to {int(context_positions.max())}."
+            )
         if seeds is not None and (seeds.is_floating_point() or seeds.dtype == torch.bool):
-            raise ValueError(f"seeds must be integers (int64), got {seeds.dtype}. Fix: store them as int64; a "
-                             "float seed would be truncated silently.")
+            raise ValueError(
+                f"seeds must be integers (int64), got {seeds.dtype}. Fix: store them as int64; a "
+                "float seed would be truncated silently."
+            )
         if tuple(anchor_ids.shape) != (batch,) or anchor_ids.is_floating_point():
-            raise ValueError(f"anchor_ids must be integer [B] = [{batch}], got {anchor_ids.dtype} "
-                             f"{tuple(anchor_ids.shape)}.")
+            raise ValueError(
+                f"anchor_ids must be integer [B] = [{batch}], got {anchor_ids.dtype} "
+                f"{tuple(anchor_ids.shape)}."
+            )
         if bool(((anchor_ids < 0) | (anchor_ids >= c.vocab_size)).any()):
-            raise ValueError(f"anchor_ids must be token ids in [0, {c.vocab_size}), got {anchor_ids.tolist()}.")
+            raise ValueError(
+                f"anchor_ids must be token ids in [0, {c.vocab_size}), got {anchor_ids.tolist()}."
+            )
         if context_mask is not None:
-            if tuple(context_mask.shape) != (batch, num_context) or context_mask.dtype != torch.bool:
-                raise ValueError(f"context_mask must be bool [B, T] = [{batch}, {num_context}], got "
-                                 f"{context_mask.dtype} {tuple(context_mask.shape)}.")
+            if (
+                tuple(context_mask.shape) != (batch, num_context)
+                or context_mask.dtype != torch.bool
+            ):
+                raise ValueError(
+                    f"context_mask must be bool [B, T] = [{batch}, {num_context}], got "
+                    f"{context_mask.dtype} {tuple(context_mask.shape)}."
+                )
             empty = (~context_mask.any(dim=1)).nonzero().flatten().tolist()
             if empty:
-                raise ValueError(f"context_mask leaves request(s) {empty} without any context token; "
-                                 "every request needs at least its anchor's context.")
+                raise ValueError(
+                    f"context_mask leaves request(s) {empty} without any context token; "
+                    "every request needs at least its anchor's context."
+                )

@@ -2,7 +2,7 @@
 """``vllm-dspark quantize``: weight-only quantization of a drafter checkpoint to any registered format.
 
 Writes the compressed-tensors format vLLM's loader reads: the included linears are replaced by
-their quantized tensors (:mod:`vllm_dspark.formats`), every other tensor is copied bit-identical,
+their quantized tensors (:mod:`vllm_dspark.checkpoint.formats`), every other tensor is copied bit-identical,
 and config.json gains one ``quantization_config`` with index-agnostic ``re:`` targets (vLLM
 renumbers the draft layers after the target's). Tensors stream through one at a time, so peak
 memory stays near the largest tensor; ``--workers N`` quantizes N at once. A report
@@ -28,8 +28,18 @@ from typing import Any, TypeVar
 import torch
 from tqdm import tqdm
 
-from vllm_dspark import formats
-from vllm_dspark.checkpoint import (
+from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint.layout import (
+    FP8_RECIPE,
+    QUANTIZABLE_KINDS,
+    ModuleSpec,
+    checkpoint_modules,
+    fused_module_groups,
+    tensor_shapes,
+)
+from vllm_dspark.checkpoint.quant_plan import QuantPlanError, resolve
+from vllm_dspark.checkpoint.st_io import Entry, SafetensorsWriter, StoredTensor, read_tensor
+from vllm_dspark.checkpoint.store import (
     CONFIG_NAME,
     INDEX_NAME,
     human_bytes,
@@ -39,17 +49,7 @@ from vllm_dspark.checkpoint import (
     stored_tensors,
     validate_tensor_shapes,
 )
-from vllm_dspark.layout import (
-    FP8_RECIPE,
-    QUANTIZABLE_KINDS,
-    ModuleSpec,
-    checkpoint_modules,
-    fused_module_groups,
-    tensor_shapes,
-)
-from vllm_dspark.quant_plan import QuantPlanError, resolve
 from vllm_dspark.safety import check_output, refuse_nonempty, require_finite, staged
-from vllm_dspark.st_io import Entry, SafetensorsWriter, StoredTensor, read_tensor
 
 REPORT_NAME = "quantization_report"
 TARGET_DIR = "target"
@@ -98,7 +98,9 @@ class _Item:
 class _Plan:
     config_json: dict[str, Any]  # the output's config.json
     kinds: tuple[str, ...]  # the included module kinds
-    shards: dict[str, list[_Item]]  # output shard name -> its tensors, as the input shards hold them
+    shards: dict[
+        str, list[_Item]
+    ]  # output shard name -> its tensors, as the input shards hold them
 
 
 def _ordered_map(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> Iterator[_R]:
@@ -124,21 +126,31 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
     config = load_config(model_dir)
     stored = stored_tensors(model_dir)
     try:
-        quantized = resolve(config, raw.get("quantization_config"), {k: t.dtype for k, t in stored.items()}).modules
+        quantized = resolve(
+            config, raw.get("quantization_config"), {k: t.dtype for k, t in stored.items()}
+        ).modules
     except QuantPlanError as e:
         raise Refusal(f"{model_dir} is not a BF16 checkpoint: {e}") from None
     if quantized or raw.get("quantization_config") is not None:
         found = ", ".join(sorted(set(quantized.values()))) or "no-op"
-        raise Refusal(f"{model_dir} is already quantized ({len(quantized)} modules stored as {found}, per its "
-                      "quantization_config and tensors). Quantize the BF16 checkpoint instead; quantizing twice "
-                      "compounds the error.")
+        raise Refusal(
+            f"{model_dir} is already quantized ({len(quantized)} modules stored as {found}, per its "
+            "quantization_config and tensors). Quantize the BF16 checkpoint instead; quantizing twice "
+            "compounds the error."
+        )
     kinds = formats.validate_include_kinds(include_layers, fmt, config)
-    validate_tensor_shapes({k: t.shape for k, t in stored.items()}, tensor_shapes(config),
-                           source=f"checkpoint {model_dir}", config=config)
+    validate_tensor_shapes(
+        {k: t.shape for k, t in stored.items()},
+        tensor_shapes(config),
+        source=f"checkpoint {model_dir}",
+        config=config,
+    )
     items = []
     for spec in checkpoint_modules(config):
         key = f"{spec.name}.weight"
-        items.append(_Item(key, stored[key], spec, fmt) if spec.kind in kinds else _Item(key, stored[key]))
+        items.append(
+            _Item(key, stored[key], spec, fmt) if spec.kind in kinds else _Item(key, stored[key])
+        )
         if spec.bias:
             items.append(_Item(f"{spec.name}.bias", stored[f"{spec.name}.bias"]))
     shards: dict[str, list[_Item]] = {}
@@ -151,14 +163,21 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
 def _read(source: StoredTensor, key: str) -> torch.Tensor:
     tensor = read_tensor(source.path, key)
     # A NaN or Inf weight would quantize to NaN scales: refuse it by name instead.
-    require_finite(tensor, f"source tensor {key} in {source.path}",
-                   "repair or re-export the BF16 checkpoint; quantization cannot represent NaN or Inf")
+    require_finite(
+        tensor,
+        f"source tensor {key} in {source.path}",
+        "repair or re-export the BF16 checkpoint; quantization cannot represent NaN or Inf",
+    )
     return tensor
 
 
 def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
     """One global scale per fused group (gate/up per layer, q_a/kv_a across layers), for formats with one."""
-    quantized = {item.module.name: item for item in items if item.fmt and formats.get(item.fmt).has_global_scale}
+    quantized = {
+        item.module.name: item
+        for item in items
+        if item.fmt and formats.get(item.fmt).has_global_scale
+    }
     scales = {}
     for members in fused_module_groups(quantized).values():
         fmt = formats.get(quantized[members[0]].fmt)
@@ -167,14 +186,21 @@ def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
     return scales
 
 
-def _quantize(item: _Item, device: str, global_scales: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], ModuleStats]:
+def _quantize(
+    item: _Item, device: str, global_scales: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], ModuleStats]:
     spec = item.module
     weight = _read(item.stored, item.key).to(device)
     fmt = formats.get(item.fmt)
     parts = fmt.quantize(weight, global_scale=global_scales.get(spec.name))
     stats = ModuleStats(
-        module=spec.name, kind=spec.kind, layer=spec.layer, format=item.fmt, params=weight.numel(),
-        bytes_before=item.stored.nbytes, bytes_after=sum(e.nbytes for e in item.outputs()),
+        module=spec.name,
+        kind=spec.kind,
+        layer=spec.layer,
+        format=item.fmt,
+        params=weight.numel(),
+        bytes_before=item.stored.nbytes,
+        bytes_after=sum(e.nbytes for e in item.outputs()),
         snr_db=fmt.snr_db(weight, parts),
     )
     return {k: v.cpu() for k, v in parts.items()}, stats
@@ -183,15 +209,23 @@ def _quantize(item: _Item, device: str, global_scales: dict[str, torch.Tensor]) 
 def _copy_other_files(model_dir: Path, staging: Path) -> None:
     """Copy what is not weights or config (tokenizer, README, the target's shared heads) along."""
     for path in model_dir.iterdir():
-        if path.is_file() and path.name not in (CONFIG_NAME, INDEX_NAME) and path.suffix != ".safetensors":
+        if (
+            path.is_file()
+            and path.name not in (CONFIG_NAME, INDEX_NAME)
+            and path.suffix != ".safetensors"
+        ):
             shutil.copy2(path, staging / path.name)
     if (model_dir / TARGET_DIR).is_dir():
         shutil.copytree(model_dir / TARGET_DIR, staging / TARGET_DIR)
 
 
 def _summarise(
-    fmt: str, kinds: Sequence[str], modules: list[ModuleStats], stored: dict[str, StoredTensor],
-    bytes_after: int, seconds: float,
+    fmt: str,
+    kinds: Sequence[str],
+    modules: list[ModuleStats],
+    stored: dict[str, StoredTensor],
+    bytes_after: int,
+    seconds: float,
 ) -> dict[str, Any]:
     params_total = sum(math.prod(t.shape) for t in stored.values())
     params_quantized = sum(m.params for m in modules)
@@ -199,10 +233,15 @@ def _summarise(
     per_kind = []
     for kind in dict.fromkeys(m.kind for m in modules):
         of_kind = [m for m in modules if m.kind == kind]
-        per_kind.append({
-            "kind": kind, "modules": len(of_kind), "params": sum(m.params for m in of_kind),
-            "snr_db_mean": sum(m.snr_db for m in of_kind) / len(of_kind), "snr_db_min": min(m.snr_db for m in of_kind),
-        })
+        per_kind.append(
+            {
+                "kind": kind,
+                "modules": len(of_kind),
+                "params": sum(m.params for m in of_kind),
+                "snr_db_mean": sum(m.snr_db for m in of_kind) / len(of_kind),
+                "snr_db_min": min(m.snr_db for m in of_kind),
+            }
+        )
     snrs = [m.snr_db for m in modules]
     return {
         "format": fmt,
@@ -238,18 +277,25 @@ def _report_markdown(report: dict[str, Any]) -> str:
         "",
         "| kind | modules | params | SNR mean dB | SNR min dB |",
         "|---|---|---|---|---|",
-        *(f"| {k['kind']} | {k['modules']} | {k['params']:,} | {k['snr_db_mean']:.2f} | {k['snr_db_min']:.2f} |"
-          for k in report["per_kind"]),
+        *(
+            f"| {k['kind']} | {k['modules']} | {k['params']:,} | {k['snr_db_mean']:.2f} | {k['snr_db_min']:.2f} |"
+            for k in report["per_kind"]
+        ),
         "",
         "| module | params | MiB before | MiB after | SNR dB |",
         "|---|---|---|---|---|",
-        *(f"| {m['module']} | {m['params']:,} | {m['bytes_before'] / 2**20:.2f} | {m['bytes_after'] / 2**20:.2f} "
-          f"| {m['snr_db']:.2f} |" for m in report["modules"]),
+        *(
+            f"| {m['module']} | {m['params']:,} | {m['bytes_before'] / 2**20:.2f} | {m['bytes_after'] / 2**20:.2f} "
+            f"| {m['snr_db']:.2f} |"
+            for m in report["modules"]
+        ),
     ]
     return "\n".join(lines) + "\n"
 
 
-def _write_quantized(plan: _Plan, staging: Path, fmt: str, device: str, workers: int, progress: bool) -> dict[str, Any]:
+def _write_quantized(
+    plan: _Plan, staging: Path, fmt: str, device: str, workers: int, progress: bool
+) -> dict[str, Any]:
     """Stream every tensor of ``plan`` through the quantizer into ``staging``; returns the report."""
     start = time.perf_counter()
     items = [item for shard_items in plan.shards.values() for item in shard_items]
@@ -257,15 +303,22 @@ def _write_quantized(plan: _Plan, staging: Path, fmt: str, device: str, workers:
 
     def work(item: _Item) -> tuple[dict[str, torch.Tensor], ModuleStats] | None:
         if item.fmt is None:
-            _read(item.stored, item.key)  # copied bit-identical, but a non-finite one is refused all the same
+            _read(
+                item.stored, item.key
+            )  # copied bit-identical, but a non-finite one is refused all the same
             return None
         return _quantize(item, device, global_scales)
 
     results = _ordered_map(work, items, workers)
     modules: list[ModuleStats] = []
     weight_map: dict[str, str] = {}
-    with tqdm(total=sum(i.stored.nbytes for i in items), unit="B", unit_scale=True, desc=f"quantize {fmt}",
-              disable=None if progress else True) as bar:
+    with tqdm(
+        total=sum(i.stored.nbytes for i in items),
+        unit="B",
+        unit_scale=True,
+        desc=f"quantize {fmt}",
+        disable=None if progress else True,
+    ) as bar:
         for shard_name, shard_items in plan.shards.items():
             entries = [e for item in shard_items for e in item.outputs()]
             with SafetensorsWriter(staging / shard_name, entries) as shard:
@@ -339,28 +392,54 @@ def main(argv: list[str] | None = None) -> int:
         "float format's relative rounding error does not depend on magnitude), so smoothing can only "
         "redistribute the error, never remove it.",
     )
-    parser.add_argument("--model_dir", required=True, type=Path, help="the BF16 drafter checkpoint directory")
-    parser.add_argument("--output_dir", required=True, type=Path, help="where to write the quantized checkpoint")
-    parser.add_argument("--quant_format", required=True, choices=formats.names(),
-                        help="; ".join(fmt.description for fmt in formats.REGISTRY.values()))
-    parser.add_argument("--include_layers", nargs="+", default=list(FP8_RECIPE), metavar="KIND",
-                        help=f"module kinds to quantize, index-agnostic (default, the published FP8 build: "
-                        f"{' '.join(FP8_RECIPE)}); quantizable: {' '.join(QUANTIZABLE_KINDS)}")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where to quantize (default cpu)")
-    parser.add_argument("--workers", type=int, default=1, help="tensors quantized in parallel (default 1)")
+    parser.add_argument(
+        "--model_dir", required=True, type=Path, help="the BF16 drafter checkpoint directory"
+    )
+    parser.add_argument(
+        "--output_dir", required=True, type=Path, help="where to write the quantized checkpoint"
+    )
+    parser.add_argument(
+        "--quant_format",
+        required=True,
+        choices=formats.names(),
+        help="; ".join(fmt.description for fmt in formats.REGISTRY.values()),
+    )
+    parser.add_argument(
+        "--include_layers",
+        nargs="+",
+        default=list(FP8_RECIPE),
+        metavar="KIND",
+        help=f"module kinds to quantize, index-agnostic (default, the published FP8 build: "
+        f"{' '.join(FP8_RECIPE)}); quantizable: {' '.join(QUANTIZABLE_KINDS)}",
+    )
+    parser.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"), help="where to quantize (default cpu)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="tensors quantized in parallel (default 1)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir")
     args = parser.parse_args(argv)
-    report = quantize_checkpoint(args.model_dir, args.output_dir, args.quant_format, args.include_layers,
-                                 device=args.device, workers=args.workers, overwrite=args.overwrite)
+    report = quantize_checkpoint(
+        args.model_dir,
+        args.output_dir,
+        args.quant_format,
+        args.include_layers,
+        device=args.device,
+        workers=args.workers,
+        overwrite=args.overwrite,
+    )
     o = report["overall"]
-    print(f"quantized {o['modules_quantized']} modules to {args.quant_format}: {human_params(o['params_quantized'])} of "
-          f"{human_params(o['params_total'])} params ({100 * o['fraction_quantized']:.0f} %), "
-          f"{human_bytes(o['bytes_before'])} -> {human_bytes(o['bytes_after'])}, weight SNR mean {o['snr_db_mean']:.1f} dB "
-          f"(min {o['snr_db_min']:.1f}), {o['seconds']:.1f} s; wrote {args.output_dir}")
+    print(
+        f"quantized {o['modules_quantized']} modules to {args.quant_format}: {human_params(o['params_quantized'])} of "
+        f"{human_params(o['params_total'])} params ({100 * o['fraction_quantized']:.0f} %), "
+        f"{human_bytes(o['bytes_before'])} -> {human_bytes(o['bytes_after'])}, weight SNR mean {o['snr_db_mean']:.1f} dB "
+        f"(min {o['snr_db_min']:.1f}), {o['seconds']:.1f} s; wrote {args.output_dir}"
+    )
     return 0
 
 
 if __name__ == "__main__":
-    from vllm_dspark.cli import main as cli_main
+    from vllm_dspark.tools.cli import main as cli_main
 
     sys.exit(cli_main(["quantize", *sys.argv[1:]]))

@@ -106,7 +106,9 @@ class ModuleSpec:
     name: str
     kind: str
     role: Role
-    shape: tuple[int, ...]  # weight shape: (out, in) for linears, (n,) for norms, (rows, dim) for embeddings
+    shape: tuple[
+        int, ...
+    ]  # weight shape: (out, in) for linears, (n,) for norms, (rows, dim) for embeddings
     bias: bool = False
 
     @property
@@ -159,10 +161,16 @@ def checkpoint_modules(config: "K3DSparkConfig") -> list[ModuleSpec]:
         "input_layernorm": ("norm", (h,)),
         "self_attn.q_a_proj": ("linear", (c.q_lora_rank, h)),
         "self_attn.q_a_layernorm": ("norm", (c.q_lora_rank,)),
-        "self_attn.q_b_proj": ("linear", (heads * (c.qk_nope_head_dim + c.qk_rope_head_dim), c.q_lora_rank)),
+        "self_attn.q_b_proj": (
+            "linear",
+            (heads * (c.qk_nope_head_dim + c.qk_rope_head_dim), c.q_lora_rank),
+        ),
         "self_attn.kv_a_proj_with_mqa": ("linear", (latent, h)),
         "self_attn.kv_a_layernorm": ("norm", (c.kv_lora_rank,)),
-        "self_attn.kv_b_proj": ("linear", (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)),
+        "self_attn.kv_b_proj": (
+            "linear",
+            (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+        ),
         "self_attn.o_proj": ("linear", (h, heads * c.v_head_dim)),
         "post_attention_layernorm": ("norm", (h,)),
         "mlp.gate_proj": ("linear", (c.intermediate_size, h)),
@@ -181,9 +189,13 @@ def checkpoint_modules(config: "K3DSparkConfig") -> list[ModuleSpec]:
         "confidence_head.proj": ("linear", (1, confidence_in), True),
     }
     assert tuple(globals_) == GLOBAL_KINDS
-    specs = [ModuleSpec(k, k, *globals_[k]) for k in ("embed_tokens", "context_proj", "context_norm")]
+    specs = [
+        ModuleSpec(k, k, *globals_[k]) for k in ("embed_tokens", "context_proj", "context_norm")
+    ]
     for i in range(c.num_hidden_layers):
-        specs += [ModuleSpec(f"layers.{i}.{k}", k, role, shape) for k, (role, shape) in per_layer.items()]
+        specs += [
+            ModuleSpec(f"layers.{i}.{k}", k, role, shape) for k, (role, shape) in per_layer.items()
+        ]
     tail = ["final_norm", "markov_head.markov_w1", "markov_head.markov_w2"]
     if c.enable_confidence_head:
         tail.append("confidence_head.proj")
@@ -227,6 +239,8 @@ def fused_module_groups(module_names: Iterable[str]) -> dict[str, list[str]]:
         kind = module_kind(name)
         for fused, members in FUSED_GROUPS.items():
             if kind in members:
-                key = fused if fused == _CROSS_LAYER_FUSED else name[: len(name) - len(kind)] + fused
+                key = (
+                    fused if fused == _CROSS_LAYER_FUSED else name[: len(name) - len(kind)] + fused
+                )
                 groups.setdefault(key, []).append(name)
     return {fused: names for fused, names in groups.items() if len(names) > 1}

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RolloutResult", "gumbel_noise", "markov_rollout", "sample_tokens", "stream_seed"]
-
 _MASK64 = (1 << 64) - 1
 
 
@@ -45,16 +43,23 @@ def stream_seed(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
-def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def gumbel_noise(
+    seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """fp64 ``[vocab_size]`` standard Gumbel noise, a pure function of (seed, position)."""
     generator = torch.Generator(device="cpu").manual_seed(stream_seed(seed, position))
     # fp64 uniforms keep -log(-log(u)) finite in the tail that decides rare tokens.
-    u = torch.rand(vocab_size, generator=generator, dtype=torch.float64).clamp_(min=torch.finfo(torch.float64).tiny)
+    u = torch.rand(vocab_size, generator=generator, dtype=torch.float64).clamp_(
+        min=torch.finfo(torch.float64).tiny
+    )
     return (-torch.log(-torch.log(u))).to(device)
 
 
 def sample_tokens(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor | None, positions: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor | None,
+    positions: torch.Tensor,
 ) -> torch.Tensor:
     """One token per row of ``logits [B, V]``: argmax where ``temperature[b] == 0``, else Gumbel-max
     of ``logits / T`` with noise keyed by ``(seeds[b], positions[b])``."""
@@ -63,7 +68,9 @@ def sample_tokens(
     if not sampled_rows:
         return tokens
     if seeds is None:
-        raise ValueError("temperature > 0 needs per-request seeds; pass seeds [B] int64 (any values, e.g. 0..B-1).")
+        raise ValueError(
+            "temperature > 0 needs per-request seeds; pass seeds [B] int64 (any values, e.g. 0..B-1)."
+        )
     for b in sampled_rows:
         noise = gumbel_noise(int(seeds[b]), int(positions[b]), logits.shape[-1], logits.device)
         tokens[b] = (logits[b].double() / float(temperature[b]) + noise).argmax()
@@ -99,15 +106,25 @@ def markov_rollout(
         raise ValueError(f"base_logits must be [B, N, V], got shape {tuple(base_logits.shape)}.")
     batch, block, _ = base_logits.shape
     if anchor_ids.shape != (batch,):
-        raise ValueError(f"anchor_ids must be [B] = [{batch}], got shape {tuple(anchor_ids.shape)}.")
+        raise ValueError(
+            f"anchor_ids must be [B] = [{batch}], got shape {tuple(anchor_ids.shape)}."
+        )
     if forced_prev is not None and forced_prev.shape != (batch, block):
-        raise ValueError(f"forced_prev must be [B, N] = [{batch}, {block}], got shape {tuple(forced_prev.shape)}.")
+        raise ValueError(
+            f"forced_prev must be [B, N] = [{batch}, {block}], got shape {tuple(forced_prev.shape)}."
+        )
     temperature = torch.as_tensor(temperature, dtype=torch.float32).flatten().cpu()
     if temperature.numel() == 1:
         temperature = temperature.expand(batch)
-    if temperature.shape != (batch,) or bool((temperature < 0).any()) or not bool(temperature.isfinite().all()):
-        raise ValueError(f"temperature must be a finite float >= 0 or [B] = [{batch}] of them, "
-                         f"got {temperature.tolist()}.")
+    if (
+        temperature.shape != (batch,)
+        or bool((temperature < 0).any())
+        or not bool(temperature.isfinite().all())
+    ):
+        raise ValueError(
+            f"temperature must be a finite float >= 0 or [B] = [{batch}] of them, "
+            f"got {temperature.tolist()}."
+        )
     if positions is None:
         positions = torch.arange(block).expand(batch, block)
     seeds_cpu = seeds.cpu() if seeds is not None else None

@@ -17,17 +17,6 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "RotaryEmbedding",
-    "apply_rotary_interleaved",
-    "cos_sin_scale",
-    "inverse_frequencies",
-    "rotary_cos_sin",
-    "softmax_scale",
-    "yarn_correction_range",
-    "yarn_mscale",
-]
-
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 when ``scale <= 1``)."""
@@ -36,9 +25,13 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _correction_dim(num_rotations: float, dim: int, base: float, original_max_position: int) -> float:
+def _correction_dim(
+    num_rotations: float, dim: int, base: float, original_max_position: int
+) -> float:
     # The rotary dim whose wavelength completes ``num_rotations`` turns over the original context.
-    return (dim * math.log(original_max_position / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+    return (dim * math.log(original_max_position / (num_rotations * 2 * math.pi))) / (
+        2 * math.log(base)
+    )
 
 
 def yarn_correction_range(
@@ -58,7 +51,9 @@ def inverse_frequencies(rope_parameters: Mapping[str, Any], rotary_dim: int) -> 
     """fp32 ``[rotary_dim // 2]`` inverse frequencies (plain RoPE, or DeepSeek-YaRN when scaled)."""
     base = float(rope_parameters["rope_theta"])
     # Explicitly on the CPU: callers may build models under a meta-device context.
-    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim)
+    pos_freqs = base ** (
+        torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
+    )
     if not _is_yarn(rope_parameters):
         return 1.0 / pos_freqs
     factor = float(rope_parameters["factor"])
@@ -71,9 +66,13 @@ def inverse_frequencies(rope_parameters: Mapping[str, Any], rotary_dim: int) -> 
     )
     if low == high:
         high += 0.001  # a zero-width ramp would divide by zero
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    ramp = (
+        (torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
+    ).clamp(0, 1)
     extrapolation_weight = 1 - ramp
-    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (
+        1.0 / pos_freqs
+    ) * extrapolation_weight
 
 
 def cos_sin_scale(rope_parameters: Mapping[str, Any]) -> float:
@@ -94,7 +93,9 @@ def softmax_scale(qk_head_dim: int, rope_parameters: Mapping[str, Any]) -> float
     """
     scale = qk_head_dim**-0.5
     if _is_yarn(rope_parameters) and rope_parameters.get("attention_factor") != 1.0:
-        mscale = yarn_mscale(float(rope_parameters["factor"]), float(rope_parameters.get("mscale_all_dim", 0)))
+        mscale = yarn_mscale(
+            float(rope_parameters["factor"]), float(rope_parameters.get("mscale_all_dim", 0))
+        )
         scale *= mscale * mscale
     return scale
 
@@ -128,7 +129,9 @@ class RotaryEmbedding:
     scale: float  # applied to cos and sin
 
     @classmethod
-    def from_rope_parameters(cls, rope_parameters: Mapping[str, Any], rotary_dim: int) -> RotaryEmbedding:
+    def from_rope_parameters(
+        cls, rope_parameters: Mapping[str, Any], rotary_dim: int
+    ) -> RotaryEmbedding:
         return cls(inverse_frequencies(rope_parameters, rotary_dim), cos_sin_scale(rope_parameters))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 
 Reads only safetensors headers and the scale tensors. It verifies that config.json is a valid K3
 DSpark config and every shard agrees with the index; the quantization plan
-(:mod:`vllm_dspark.quant_plan`, the one every loader uses); every tensor's dtype and shape against
+(:mod:`vllm_dspark.checkpoint.quant_plan`, the one every loader uses); every tensor's dtype and shape against
 that plan, with none missing or unexpected (stray ``lm_head`` / disabled ``confidence_head``
 tensors are a warning); and that scales are finite and NVFP4 fused shards share one global scale.
 Each violation is one problem string that names the tensor or module and the fix.
@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_dspark import formats, quant_plan
-from vllm_dspark.checkpoint import (
+from vllm_dspark.checkpoint import formats, quant_plan
+from vllm_dspark.checkpoint.layout import ModuleSpec, checkpoint_modules, fused_module_groups
+from vllm_dspark.checkpoint.st_io import SAFETENSORS_DTYPES, StoredTensor, read_tensor
+from vllm_dspark.checkpoint.store import (
     expected_tensors,
     human_bytes,
     human_params,
@@ -29,9 +31,7 @@ from vllm_dspark.checkpoint import (
     stored_tensors,
 )
 from vllm_dspark.config import K3DSparkConfig
-from vllm_dspark.layout import ModuleSpec, checkpoint_modules, fused_module_groups
 from vllm_dspark.safety import describe_os_error, invalid_scale_count
-from vllm_dspark.st_io import SAFETENSORS_DTYPES, StoredTensor, read_tensor
 
 _REQUANTIZE = "re-quantize the BF16 checkpoint with `vllm-dspark quantize`"
 
@@ -62,39 +62,68 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def _tensor_problems(config: K3DSparkConfig, quantized: dict[str, str], stored: dict[str, StoredTensor],
-                     stray: tuple[str, ...]) -> list[str]:
+def _tensor_problems(
+    config: K3DSparkConfig,
+    quantized: dict[str, str],
+    stored: dict[str, StoredTensor],
+    stray: tuple[str, ...],
+) -> list[str]:
     expected = expected_tensors(config, quantized)
     found = {k: t.shape for k, t in stored.items() if k not in stray}
-    missing, misshaped, unexpected = shape_mismatches(found, {k: t.shape for k, t in expected.items()})
+    missing, misshaped, unexpected = shape_mismatches(
+        found, {k: t.shape for k, t in expected.items()}
+    )
 
     def what(key: str) -> str:
         module = key.rpartition(".")[0]
-        return f"the {quantized[module]} module {module}" if module in quantized else f"the unquantized module {module}"
+        return (
+            f"the {quantized[module]} module {module}"
+            if module in quantized
+            else f"the unquantized module {module}"
+        )
 
     problems = []
     for key in missing:
-        fix = _REQUANTIZE if key.rpartition(".")[0] in quantized else "use the shards written with this config.json"
-        problems.append(f"{key}: missing; {what(key)} needs it (shape {expected[key].shape}). Fix: {fix}")
-    problems += [f"{key}: shape {found[key]}, but {what(key)} needs {expected[key].shape}. Fix: use the config.json "
-                 "written with these shards, or re-export them" for key in misshaped]
+        fix = (
+            _REQUANTIZE
+            if key.rpartition(".")[0] in quantized
+            else "use the shards written with this config.json"
+        )
+        problems.append(
+            f"{key}: missing; {what(key)} needs it (shape {expected[key].shape}). Fix: {fix}"
+        )
+    problems += [
+        f"{key}: shape {found[key]}, but {what(key)} needs {expected[key].shape}. Fix: use the config.json "
+        "written with these shards, or re-export them"
+        for key in misshaped
+    ]
     for key, want in expected.items():
         ok_dtypes = [SAFETENSORS_DTYPES[d] for d in (want.dtype, *want.also)]
         if key in found and stored[key].dtype not in ok_dtypes:
-            problems.append(f"{key}: dtype {stored[key].dtype}, but {what(key)} stores it as {' or '.join(ok_dtypes)}. "
-                            f"Fix: {_REQUANTIZE}")
+            problems.append(
+                f"{key}: dtype {stored[key].dtype}, but {what(key)} stores it as {' or '.join(ok_dtypes)}. "
+                f"Fix: {_REQUANTIZE}"
+            )
     modules = {spec.name for spec in checkpoint_modules(config)}
     for key in sorted(unexpected):
         module = key.rpartition(".")[0]
-        reason = (f"{module} is {quantized[module]} and does not store it" if module in quantized
-                  else f"{module} is not quantized by config.json" if module in modules
-                  else "no module of this config has it")
-        problems.append(f"{key}: unexpected tensor ({reason}). Fix: remove it, or use the config.json written "
-                        "with these shards")
+        reason = (
+            f"{module} is {quantized[module]} and does not store it"
+            if module in quantized
+            else f"{module} is not quantized by config.json"
+            if module in modules
+            else "no module of this config has it"
+        )
+        problems.append(
+            f"{key}: unexpected tensor ({reason}). Fix: remove it, or use the config.json written "
+            "with these shards"
+        )
     return problems
 
 
-def _scale_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored: dict[str, StoredTensor]) -> list[str]:
+def _scale_problems(
+    specs: list[ModuleSpec], quantized: dict[str, str], stored: dict[str, StoredTensor]
+) -> list[str]:
     problems = []
     global_scales: dict[str, float] = {}
     for spec in specs:
@@ -108,17 +137,21 @@ def _scale_problems(specs: list[ModuleSpec], quantized: dict[str, str], stored: 
             scale = read_tensor(stored[key].path, key)
             bad = invalid_scale_count(scale)
             if bad:
-                problems.append(f"{key}: {bad} of {scale.numel()} scale values are NaN, infinite or not positive. "
-                                f"Fix: {_REQUANTIZE}")
+                problems.append(
+                    f"{key}: {bad} of {scale.numel()} scale values are NaN, infinite or not positive. "
+                    f"Fix: {_REQUANTIZE}"
+                )
             if suffix == "weight_global_scale" and scale.numel() == 1:
                 global_scales[spec.name] = float(scale)
     for fused, members in fused_module_groups(global_scales).items():
         values = {global_scales[m] for m in members}
         if len(values) > 1:
             listed = ", ".join(f"{m}={global_scales[m]:.6g}" for m in members)
-            problems.append(f"{fused}: NVFP4 weight_global_scale differs across the fused modules ({listed}), but "
-                            f"vLLM applies one global scale to the fused layer. Fix: {_REQUANTIZE}, which gives "
-                            "fused modules a shared global scale")
+            problems.append(
+                f"{fused}: NVFP4 weight_global_scale differs across the fused modules ({listed}), but "
+                f"vLLM applies one global scale to the fused layer. Fix: {_REQUANTIZE}, which gives "
+                "fused modules a shared global scale"
+            )
     return problems
 
 
@@ -139,10 +172,14 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
 
     specs = checkpoint_modules(config)
     size = sum(t.nbytes for t in stored.values())
-    report.summary.append(f"K3 DSpark drafter: {config.num_hidden_layers} layers, hidden_size {config.hidden_size}, "
-                          f"{len(specs)} modules with weights")
-    report.summary.append(f"{len(stored)} tensors in {len({t.path for t in stored.values()})} shard(s): "
-                          f"{human_bytes(size)}")
+    report.summary.append(
+        f"K3 DSpark drafter: {config.num_hidden_layers} layers, hidden_size {config.hidden_size}, "
+        f"{len(specs)} modules with weights"
+    )
+    report.summary.append(
+        f"{len(stored)} tensors in {len({t.path for t in stored.values()})} shard(s): "
+        f"{human_bytes(size)}"
+    )
     target = model_dir / "target" / "model.safetensors"
     if target.is_file():
         report.summary.append(f"target heads (shared embedding and lm_head): {target}")
@@ -153,7 +190,9 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
         return report  # an unreadable quantization_config says nothing about the tensors
     if qc is None and not quantized:
         params = sum(math.prod(t.shape) for t in stored.values())
-        report.summary.append(f"not quantized (no quantization_config); {human_params(params)} params")
+        report.summary.append(
+            f"not quantized (no quantization_config); {human_params(params)} params"
+        )
     else:
         _summarize_quantization(report, quantized, specs)
     report.quantized_modules = quantized
@@ -185,7 +224,9 @@ def _check_quantization(
     return plan.modules, plan.stray
 
 
-def _summarize_quantization(report: CheckReport, quantized: dict[str, str], specs: list[ModuleSpec]) -> None:
+def _summarize_quantization(
+    report: CheckReport, quantized: dict[str, str], specs: list[ModuleSpec]
+) -> None:
     fmts = sorted(set(quantized.values()))
     quantized_params = sum(math.prod(s.shape) for s in specs if s.name in quantized)
     dense_params = sum(math.prod(s.shape) + (s.shape[0] if s.bias else 0) for s in specs)
@@ -211,6 +252,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from vllm_dspark.cli import main as cli_main
+    from vllm_dspark.tools.cli import main as cli_main
 
     sys.exit(cli_main(["check", *sys.argv[1:]]))

@@ -22,24 +22,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_dspark.checkpoint import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY, save_drafter
+from vllm_dspark.checkpoint.layout import checkpoint_modules, tensor_shapes
+from vllm_dspark.checkpoint.presets import PRESETS, preset_config_json
+from vllm_dspark.checkpoint.st_io import Entry, SafetensorsWriter, save_tensors
+from vllm_dspark.checkpoint.store import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY, save_drafter
 from vllm_dspark.config import K3DSparkConfig
-from vllm_dspark.layout import checkpoint_modules, tensor_shapes
-from vllm_dspark.presets import PRESETS, preset_config_json
 from vllm_dspark.safety import check_output, refuse_nonempty, staged
-from vllm_dspark.st_io import Entry, SafetensorsWriter, save_tensors
-from vllm_dspark.vllm_load import write_target_config
-
-__all__ = [
-    "aux_layer_ids",
-    "like_config_json",
-    "main",
-    "make_random",
-    "make_random_like",
-    "random_drafter_tensors",
-    "random_lm_head",
-    "random_tensor",
-]
+from vllm_dspark.tools.vllm_load import write_target_config
 
 # Rows are generated in fixed-size slabs, so the values do not depend on memory settings.
 _SLAB_ELEMENTS = 1 << 24
@@ -53,7 +42,9 @@ def _seed(seed: int, name: str) -> int:
     return (seed * 0x100000001B3 + zlib.crc32(name.encode())) % (1 << 63)
 
 
-def _matrix(shape: tuple[int, int], generator: torch.Generator, *, std: float, channel_structure: bool) -> torch.Tensor:
+def _matrix(
+    shape: tuple[int, int], generator: torch.Generator, *, std: float, channel_structure: bool
+) -> torch.Tensor:
     out_features, in_features = shape
     row_scale = torch.ones(out_features)
     col_scale = torch.ones(in_features)
@@ -85,21 +76,36 @@ def random_tensor(name: str, shape: tuple[int, ...], role: str, *, seed: int) ->
     return _matrix(shape, generator, std=gain / math.sqrt(shape[1]), channel_structure=True)
 
 
-def random_drafter_tensors(config: K3DSparkConfig, *, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def random_drafter_tensors(
+    config: K3DSparkConfig, *, seed: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every drafter tensor, in checkpoint order, generated lazily."""
     for spec in checkpoint_modules(config):
-        yield f"{spec.name}.weight", random_tensor(f"{spec.name}.weight", spec.shape, spec.role, seed=seed)
+        yield (
+            f"{spec.name}.weight",
+            random_tensor(f"{spec.name}.weight", spec.shape, spec.role, seed=seed),
+        )
         if spec.bias:
-            yield f"{spec.name}.bias", random_tensor(f"{spec.name}.bias", (spec.shape[0],), spec.role, seed=seed)
+            yield (
+                f"{spec.name}.bias",
+                random_tensor(f"{spec.name}.bias", (spec.shape[0],), spec.role, seed=seed),
+            )
 
 
 def random_lm_head(config: K3DSparkConfig, *, seed: int) -> torch.Tensor:
     """The random target's lm_head ``[vocab_size, hidden_size]``."""
-    return random_tensor("lm_head.weight", (config.vocab_size, config.hidden_size), "linear", seed=seed)
+    return random_tensor(
+        "lm_head.weight", (config.vocab_size, config.hidden_size), "linear", seed=seed
+    )
 
 
 def make_random(
-    out_dir: str | Path, preset: str, *, seed: int = 0, progress: bool = True, overwrite: bool = False
+    out_dir: str | Path,
+    preset: str,
+    *,
+    seed: int = 0,
+    progress: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Write a random drafter for ``preset`` (and its target heads under ``out_dir/target``).
 
@@ -120,13 +126,23 @@ def _write_random(out_dir: Path, preset: str, *, seed: int, progress: bool) -> N
     config = K3DSparkConfig(**config_json)
     specs = checkpoint_modules(config)
     total = sum(math.prod(s.shape) + (s.shape[0] if s.bias else 0) for s in specs)
-    total += math.prod((config.vocab_size, config.hidden_size)) * 2  # the target's embedding and lm_head
-    bar = tqdm(total=total * 2, unit="B", unit_scale=True, desc=f"make-random {preset}", disable=not progress)
+    total += (
+        math.prod((config.vocab_size, config.hidden_size)) * 2
+    )  # the target's embedding and lm_head
+    bar = tqdm(
+        total=total * 2,
+        unit="B",
+        unit_scale=True,
+        desc=f"make-random {preset}",
+        disable=not progress,
+    )
 
     target_dir = out_dir / "target"
     entries = _bf16_entries(config)
-    heads = [Entry.planned(key, torch.bfloat16, (config.vocab_size, config.hidden_size))
-             for key in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY)]
+    heads = [
+        Entry.planned(key, torch.bfloat16, (config.vocab_size, config.hidden_size))
+        for key in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY)
+    ]
     with SafetensorsWriter(target_dir / "model.safetensors", heads) as target:
 
         def drafter_tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -149,54 +165,87 @@ def _write_random(out_dir: Path, preset: str, *, seed: int, progress: bool) -> N
 
 def _bf16_entries(config: K3DSparkConfig) -> list[Entry]:
     """The entries of every drafter tensor, in the order :func:`random_drafter_tensors` yields them."""
-    return [Entry.planned(key, torch.bfloat16, shape) for key, shape in tensor_shapes(config).items()]
+    return [
+        Entry.planned(key, torch.bfloat16, shape) for key, shape in tensor_shapes(config).items()
+    ]
 
 
 def aux_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
     """``count`` target layers spread from layer 1 to the third-last (``[1, 2, 4, 5, 6]`` for 8 layers)."""
     count = min(count, num_target_layers - 2)
     if count < 1:
-        raise ValueError(f"a {num_target_layers}-layer target has no layers to tap for aux hidden states. "
-                         "Fix: use a target with at least 3 layers.")
+        raise ValueError(
+            f"a {num_target_layers}-layer target has no layers to tap for aux hidden states. "
+            "Fix: use a target with at least 3 layers."
+        )
     if count == 1:
         return [1]
     return sorted({round(1 + i * (num_target_layers - 3) / (count - 1)) for i in range(count)})
 
 
 # The target config fields a drafter must match: the draft layers' latent lives in its MLA cache.
-_TARGET_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "q_lora_rank",
-                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_TARGET_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "vocab_size",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
 
 
 def like_config_json(target_config: dict, *, num_layers: int = 5) -> dict:
     """A drafter config.json (the ``small`` preset's structure) with ``target_config``'s geometry."""
     missing = [f for f in _TARGET_FIELDS if target_config.get(f) is None]
     if missing:
-        raise ValueError(f"the target config lacks {', '.join(missing)}: the drafter's KV pages live in the "
-                         "target's MLA cache, so the target must be an MLA model (DeepSeek-V3 / Kimi-K3 style).")
+        raise ValueError(
+            f"the target config lacks {', '.join(missing)}: the drafter's KV pages live in the "
+            "target's MLA cache, so the target must be an MLA model (DeepSeek-V3 / Kimi-K3 style)."
+        )
     t = target_config
     config = preset_config_json("small")
     layer_ids = aux_layer_ids(t["num_hidden_layers"])
     config.update(
-        hidden_size=t["hidden_size"], intermediate_size=t.get("intermediate_size", 2 * t["hidden_size"]),
-        num_hidden_layers=num_layers, num_attention_heads=t["num_attention_heads"],
-        num_key_value_heads=t["num_attention_heads"], q_lora_rank=t["q_lora_rank"], kv_lora_rank=t["kv_lora_rank"],
-        qk_nope_head_dim=t["qk_nope_head_dim"], qk_rope_head_dim=t["qk_rope_head_dim"], v_head_dim=t["v_head_dim"],
-        vocab_size=t["vocab_size"], draft_vocab_size=t["vocab_size"], target_hidden_size=t["hidden_size"],
-        target_num_hidden_layers=t["num_hidden_layers"], target_layer_ids=layer_ids, num_target_layers=len(layer_ids),
-        target_kv_latent_dim=t["kv_lora_rank"] + t["qk_rope_head_dim"], mask_token_id=t["vocab_size"] - 3,
+        hidden_size=t["hidden_size"],
+        intermediate_size=t.get("intermediate_size", 2 * t["hidden_size"]),
+        num_hidden_layers=num_layers,
+        num_attention_heads=t["num_attention_heads"],
+        num_key_value_heads=t["num_attention_heads"],
+        q_lora_rank=t["q_lora_rank"],
+        kv_lora_rank=t["kv_lora_rank"],
+        qk_nope_head_dim=t["qk_nope_head_dim"],
+        qk_rope_head_dim=t["qk_rope_head_dim"],
+        v_head_dim=t["v_head_dim"],
+        vocab_size=t["vocab_size"],
+        draft_vocab_size=t["vocab_size"],
+        target_hidden_size=t["hidden_size"],
+        target_num_hidden_layers=t["num_hidden_layers"],
+        target_layer_ids=layer_ids,
+        num_target_layers=len(layer_ids),
+        target_kv_latent_dim=t["kv_lora_rank"] + t["qk_rope_head_dim"],
+        mask_token_id=t["vocab_size"] - 3,
         rms_norm_eps=t.get("rms_norm_eps", config["rms_norm_eps"]),
     )
     return config
 
 
-def make_random_like(out_dir: str | Path, target_dir: str | Path, *, num_layers: int = 5, seed: int = 0,
-                     progress: bool = True, overwrite: bool = False) -> Path:
+def make_random_like(
+    out_dir: str | Path,
+    target_dir: str | Path,
+    *,
+    num_layers: int = 5,
+    seed: int = 0,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> Path:
     """Write a random drafter with ``target_dir``'s geometry; its ``target/`` heads are the target's own."""
     import json
     import shutil
 
-    from vllm_dspark.checkpoint import load_target_heads
+    from vllm_dspark.checkpoint.store import load_target_heads
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -206,14 +255,19 @@ def make_random_like(out_dir: str | Path, target_dir: str | Path, *, num_layers:
     config = K3DSparkConfig(**config_json)
     embed_tokens, lm_head = load_target_heads(target_dir)
     if tuple(embed_tokens.shape) != (config.vocab_size, config.hidden_size):
-        raise ValueError(f"target {target_dir}: embedding {tuple(embed_tokens.shape)} does not match its config "
-                         f"(vocab_size {config.vocab_size}, hidden_size {config.hidden_size}).")
+        raise ValueError(
+            f"target {target_dir}: embedding {tuple(embed_tokens.shape)} does not match its config "
+            f"(vocab_size {config.vocab_size}, hidden_size {config.hidden_size})."
+        )
     check_output(out_dir, [target_dir], flag="--out")
     refuse_nonempty(out_dir, overwrite=overwrite, flag="--out")
     tensors = (
         (name, embed_tokens.to(torch.bfloat16) if name == "embed_tokens.weight" else tensor)
-        for name, tensor in tqdm(random_drafter_tensors(config, seed=seed), desc="make-random --like",
-                                 disable=not progress)
+        for name, tensor in tqdm(
+            random_drafter_tensors(config, seed=seed),
+            desc="make-random --like",
+            disable=not progress,
+        )
     )
     with staged(out_dir, directory=True) as staging:
         save_drafter(staging, config_json, tensors, entries=_bf16_entries(config))
@@ -227,18 +281,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="vllm-dspark make-random",
         description="Write a random K3 DSpark drafter checkpoint in the real on-disk layout: config.json, "
-                    "BF16 safetensors shards with HF key names and their index, plus the target's shared "
-                    "embedding and lm_head in OUT/target/. Deterministic for a given --seed.",
+        "BF16 safetensors shards with HF key names and their index, plus the target's shared "
+        "embedding and lm_head in OUT/target/. Deterministic for a given --seed.",
     )
     shape = parser.add_mutually_exclusive_group(required=True)
-    shape.add_argument("--preset", choices=list(PRESETS),
-                       help="tiny / small: CPU-test sizes; k3: the published shapes (6.6 GiB drafter + 2.3 GiB lm_head)")
-    shape.add_argument("--like", type=Path, metavar="TARGET_DIR",
-                       help="an MLA target model directory: the drafter takes its hidden size, depth, vocabulary and "
-                            "MLA latent (aux layers spread over its depth), and its embedding and lm_head as target/ heads")
-    parser.add_argument("--num-layers", type=int, default=5, help="draft decoder layers with --like (default 5)")
-    parser.add_argument("--out", required=True, type=Path,
-                        help="output directory (created; built beside it and renamed into place)")
+    shape.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        help="tiny / small: CPU-test sizes; k3: the published shapes (6.6 GiB drafter + 2.3 GiB lm_head)",
+    )
+    shape.add_argument(
+        "--like",
+        type=Path,
+        metavar="TARGET_DIR",
+        help="an MLA target model directory: the drafter takes its hidden size, depth, vocabulary and "
+        "MLA latent (aux layers spread over its depth), and its embedding and lm_head as target/ heads",
+    )
+    parser.add_argument(
+        "--num-layers", type=int, default=5, help="draft decoder layers with --like (default 5)"
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="output directory (created; built beside it and renamed into place)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     parser.add_argument("--seed", type=int, default=0, help="random seed, an integer (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -246,17 +313,27 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     if args.like is not None:
-        make_random_like(args.out, args.like, num_layers=args.num_layers, seed=args.seed, progress=not args.quiet,
-                         overwrite=args.overwrite)
+        make_random_like(
+            args.out,
+            args.like,
+            num_layers=args.num_layers,
+            seed=args.seed,
+            progress=not args.quiet,
+            overwrite=args.overwrite,
+        )
     else:
-        make_random(args.out, args.preset, seed=args.seed, progress=not args.quiet, overwrite=args.overwrite)
+        make_random(
+            args.out, args.preset, seed=args.seed, progress=not args.quiet, overwrite=args.overwrite
+        )
     size = sum(p.stat().st_size for p in args.out.rglob("*.safetensors"))
-    print(f"wrote {args.out} ({args.preset or f'like {args.like}'}, seed {args.seed}): {size / 2**30:.2f} GiB "
-          f"in {time.perf_counter() - start:.1f} s; target heads in {args.out / 'target'}")
+    print(
+        f"wrote {args.out} ({args.preset or f'like {args.like}'}, seed {args.seed}): {size / 2**30:.2f} GiB "
+        f"in {time.perf_counter() - start:.1f} s; target heads in {args.out / 'target'}"
+    )
     return 0
 
 
 if __name__ == "__main__":
-    from vllm_dspark.cli import main as cli_main
+    from vllm_dspark.tools.cli import main as cli_main
 
     sys.exit(cli_main(["make-random", *sys.argv[1:]]))

@@ -1,0 +1,1 @@
+"""Command-line tools: the ``vllm-dspark`` entry point and the commands that live outside vLLM."""
