@@ -56,6 +56,8 @@ def block_verify(
         )
     target, draft = target_probs.double(), draft_probs.double()
     batch, num = drafts.shape
+    if num == 0:  # nothing drafted (an adaptive budget of 0): sample the target
+        return Verified(drafts.new_zeros(batch), (target[:, 0].log() + gumbel.double()).argmax(-1))
     rows = torch.arange(batch)
     ratio = target[:, :-1].gather(-1, drafts[..., None])[..., 0] / draft.gather(
         -1, drafts[..., None]
@@ -100,3 +102,18 @@ def _check(target: torch.Tensor, drafts: torch.Tensor) -> None:
             f"target rows must be [B, N + 1, V] for drafts [B, N] = {list(drafts.shape)}, "
             f"got {list(target.shape)}"
         )
+
+
+def adaptive_budget(confidences: torch.Tensor, token_cost: float) -> int:
+    """How many of a block's drafts to verify, from the confidence head's ``[N]`` probabilities.
+
+    vLLM 0.33's adaptive verification (``vllm/v1/worker/gpu/spec_decode/adaptive_verification.py``,
+    ``AdaptiveVerificationManager.get_num_tokens``) for one request: the survival products
+    ``S_k = Π_{j≤k} c_j`` rank the drafts, and the budget ``B`` maximizes expected accepted tokens
+    ``1 + Σ_{k<B} S_k`` over the step's cost, here ``1 + token_cost * (1 + B)`` (a fixed cost per
+    step plus ``token_cost`` per token the target verifies) in place of vLLM's profiled tables.
+    """
+    survival = torch.cumprod(confidences.double().flatten(), 0)
+    expected = 1.0 + torch.cat([survival.new_zeros(1), survival.cumsum(0)])
+    cost = 1.0 + token_cost * (1.0 + torch.arange(len(expected), dtype=torch.float64))
+    return int((expected / cost).argmax())

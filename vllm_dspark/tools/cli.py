@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "vllm_dspark.drift.cli",
         "measure a quantized drafter's drift from the FP32 reference",
     ),
+    "accept": (
+        "vllm_dspark.tools.accept",
+        "measure a drafter's acceptance length against its target, per format",
+    ),
     "doctor": (
         "vllm_dspark.doctor",
         "check a --speculative-config against the drafter and this machine",
