@@ -106,23 +106,10 @@ class Target:
     """The target model with its KV cache: logits and the drafter's aux states for new tokens."""
 
     def __init__(self, path: Path, layer_ids: list[int], hidden: int, vocab: int) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from vllm_dspark.drift.regimes import load_target
 
-        config = AutoConfig.from_pretrained(str(path))
-        layers = config.num_hidden_layers
-        if config.hidden_size != hidden or config.vocab_size != vocab:
-            raise ValueError(
-                f"target {path} (hidden {config.hidden_size}, vocab {config.vocab_size}) is not the "
-                f"drafter's (target_hidden_size {hidden}, vocab {vocab}). Fix: pass its own target."
-            )
-        if max(layer_ids) + 1 >= layers:
-            raise ValueError(
-                f"the drafter taps target layers {layer_ids}, but vLLM collects aux states only "
-                f"entering layers 1 .. {layers - 1} of this {layers}-layer target. Fix: pass the "
-                "target the drafter was trained for."
-            )
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-        self.taps = [i + 1 for i in layer_ids]
+        self.model = load_target(path, layer_ids, hidden, vocab)
+        self.layer_ids = layer_ids
         self.cache = None
 
     def reset(self) -> None:
@@ -130,17 +117,12 @@ class Target:
 
         self.cache = DynamicCache(config=self.model.config)
 
-    @torch.inference_mode()
     def forward(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed ``ids`` after the cached tokens: ``(logits [n, V] fp32, aux [n, W] bf16)``."""
-        out = self.model(
-            torch.tensor([ids]),
-            past_key_values=self.cache,
-            use_cache=True,
-            output_hidden_states=True,
-        )
-        aux = torch.cat([out.hidden_states[i][0] for i in self.taps], dim=-1)
-        return out.logits[0].float(), aux.to(torch.bfloat16)
+        from vllm_dspark.drift.regimes import target_states
+
+        logits, aux = target_states(self.model, torch.tensor([ids]), self.layer_ids, self.cache)
+        return logits[0], aux[0]
 
     def keep(self, length: int) -> None:
         """Drop cached tokens beyond the first ``length`` (the rejected drafts)."""
