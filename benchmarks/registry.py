@@ -75,6 +75,13 @@ BENCHMARKS: dict[str, Benchmark] = {
         "vLLM's `dspark` speculator end to end on CPU (tiny random models, Triton interpreter)",
         in_all=False,
     ),
+    "pair": Benchmark(
+        "benchmarks.pair",
+        "the trained pair: measured acceptance per format next to drift in the real regime",
+        "pair",
+        "The trained pair: measured acceptance length per format, drift next to it",
+        in_all=False,
+    ),
     "drift": Benchmark(
         "benchmarks.drift",
         "drift report at real shapes: table with CIs under 2 pp, plots (~55 min)",

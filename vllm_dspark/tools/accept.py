@@ -49,9 +49,10 @@ def load_prompts(
 ) -> tuple[list[list[int]], str]:
     """Prompts as token ids, and where they came from.
 
-    ``.json``: a list of strings or of token-id lists; ``.jsonl``: one string (or ``{"prompt": ...}``)
-    per line; any other file (or none: the drift corpus) is text cut into ``count`` windows of
-    ``length`` tokens at seeded offsets.
+    ``.json``: a list (or ``{"prompts": [...]}``, as ``train-pair`` writes) of strings, token-id
+    lists or objects with ``token_ids`` / ``prompt`` / ``text``; ``.jsonl``: one such item per line;
+    any other file (or none: the drift corpus) is text cut into ``count`` windows of ``length``
+    tokens at seeded offsets.
     """
     from vllm_dspark.drift import corpus
 
@@ -63,7 +64,8 @@ def load_prompts(
             items = json.loads(text)
         else:
             items = [json.loads(line) for line in text.splitlines() if line.strip()]
-        items = [i.get("prompt", i.get("text")) if isinstance(i, dict) else i for i in items]
+        if isinstance(items, dict):
+            items = items.get("prompts")
         if not isinstance(items, list) or not items:
             raise ValueError(
                 f"--prompts {path} holds no prompts. Fix: a list of strings or id lists."
@@ -71,6 +73,8 @@ def load_prompts(
         tokenizer = None
         prompts = []
         for item in items:
+            if isinstance(item, dict):
+                item = next((item[k] for k in ("token_ids", "prompt", "text") if k in item), None)
             if isinstance(item, str):
                 tokenizer = tokenizer or _tokenizer(target)
                 prompts.append(tokenizer.encode(item, add_special_tokens=False))
