@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -258,7 +259,9 @@ def summarize(records: list[PromptRecord], block: int, resamples: int, seed: int
 
     tau = metrics.estimate(ratio, [emitted, steps], idx)
     cost = metrics.estimate(ratio, [verified, emitted], idx)
-    positions = metrics.estimates(per_position, [passed, reached], idx)
+    with warnings.catch_warnings():  # a position no step reached has no rate: NaN, not a warning
+        warnings.simplefilter("ignore", RuntimeWarning)
+        positions = metrics.estimates(per_position, [passed, reached], idx)
     scores = [np.asarray(r.confidences) for r in records]
     labels = [np.asarray(r.labels, dtype=bool) for r in records]
     auc = metrics.NO_ESTIMATE
@@ -269,7 +272,9 @@ def summarize(records: list[PromptRecord], block: int, resamples: int, seed: int
             )
             for row in idx
         ]
-        lo, hi = np.nanquantile(samples, [0.025, 0.975])
+        with warnings.catch_warnings():  # no resample with both classes: NaN bounds
+            warnings.simplefilter("ignore", RuntimeWarning)
+            lo, hi = np.nanquantile(samples, [0.025, 0.975])
         auc = metrics.Estimate(
             metrics.auc(np.concatenate(scores), np.concatenate(labels)), float(lo), float(hi)
         )
