@@ -107,7 +107,17 @@ def load_target(path: str | Path, layer_ids: Sequence[int], hidden: int, vocab: 
             f"entering layers 1 .. {layers - 1} of this {layers}-layer target. Fix: pass the target "
             "the drafter was trained for."
         )
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, output_loading_info=True
+    )
+    if info["missing_keys"]:
+        # transformers would fill them with random weights: a drafter's target/ holds only the heads.
+        raise ValueError(
+            f"{path} lacks {len(info['missing_keys'])} of the target's weights (e.g. "
+            f"{sorted(info['missing_keys'])[0]}); it holds only the shared heads, not the model. Fix: "
+            "pass the full target model directory as --target."
+        )
+    return model.eval()
 
 
 @torch.inference_mode()
