@@ -156,10 +156,9 @@ class PromptRecord:
     tokens: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # per step: drafts kept
     verified: list[int] = field(default_factory=list)  # per step: drafts the target verified
-    confidences: list[float] = field(
-        default_factory=list
-    )  # per verified position up to the first rejection
-    labels: list[bool] = field(default_factory=list)  # accepted, for those positions
+    # the confidence of each verified position up to the first rejection, and whether it was accepted
+    confidences: list[float] = field(default_factory=list)
+    labels: list[bool] = field(default_factory=list)
 
 
 def _generator(seed: int, *key: int) -> torch.Generator:
