@@ -63,6 +63,10 @@ def join(accept: dict[str, Any], drift: dict[str, Any]) -> list[dict[str, Any]]:
                 "scheduled_cost": scheduled and scheduled["target_tokens_per_accepted"],
                 **{k: cell["metrics"][k] for k, _ in PREDICTIONS},
                 "kl_p99": cell["metrics"]["kl_p99"],
+                # how far each drift figure sits above the measured τ
+                "overestimate": {
+                    k: cell["metrics"][k]["value"] - m["tau"]["value"] for k, _ in PREDICTIONS
+                },
             }
         )
     return rows
