@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from vllm_dspark.ops.verify import block_verify, greedy_verify
+from vllm_dspark.ops.verify import adaptive_budget, block_verify, greedy_verify
 
 V, N, LENGTH, SAMPLES = 3, 3, 3, 40_000
 # chi-square critical value, df = V**LENGTH - 1 = 26, alpha = 0.001 (standard tables).
@@ -122,3 +122,17 @@ def test_greedy_speculation_is_the_greedy_decode():
         prev = int(target[prev].argmax())
         expected.append(prev)
     assert (tokens == torch.tensor(expected)).all()
+
+
+def test_adaptive_budget_trades_expected_tokens_for_cost():
+    """The budget maximizes (1 + Σ_{k<B} Π_{j≤k} c_j) / (1 + cost (1 + B)), as vLLM's adaptive
+    verification does with its profiled costs."""
+    sure, hopeless = torch.ones(7), torch.full((7,), 1e-3)
+    assert adaptive_budget(sure, 0.1) == 7
+    assert adaptive_budget(hopeless, 0.1) == 0
+    conf = torch.tensor([0.9, 0.8, 0.5, 0.3, 0.2, 0.1, 0.1])
+    budgets = [adaptive_budget(conf, cost) for cost in (0.0, 0.05, 0.2, 1.0)]
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] == 7 and budgets[-1] < 7
+    survival = torch.cumprod(conf.double(), 0)
+    ratios = [(1 + survival[:b].sum()) / (1 + 0.2 * (1 + b)) for b in range(8)]
+    assert budgets[2] == int(torch.stack(ratios).argmax())
