@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import platform
 import sys
 import sysconfig
@@ -72,10 +73,13 @@ def stdlib_root() -> Path:
 
 def stdlib_files(root: Path) -> list[str]:
     """The ``*.py`` files of the standard library at ``root`` (site-packages excluded), sorted."""
-    files = (p.relative_to(root) for p in root.rglob("*.py"))
-    return sorted(
-        p.as_posix() for p in files if p.parts[0] not in ("site-packages", "dist-packages")
-    )
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        if Path(folder) == root:  # third-party packages live under the stdlib folder: never read
+            subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages")]
+        rel = Path(folder).relative_to(root)
+        found += [(rel / n).as_posix() for n in names if n.endswith(".py")]
+    return sorted(found)
 
 
 def is_heldout(relative_path: str) -> bool:
@@ -253,7 +257,7 @@ def train_target(target, stream, sizes: PairSizes, generator, deadline: float, p
         loss = target(input_ids=ids, labels=ids).loss
         _step(loss, params, optimizer, scheduler)
         curve.append({"step": step, "loss": float(loss.detach())})
-        bar.set_postfix(loss=f"{float(loss):.3f}")
+        bar.set_postfix(loss=f"{curve[-1]['loss']:.3f}")
     target.eval()
     return curve
 
