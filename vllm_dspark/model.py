@@ -325,7 +325,7 @@ class K3DSparkModel(nn.Module):
         # the first layer's fused_qkv_a_proj, so it is quantized exactly as kv_a_proj_with_mqa is.
         self.context_kv_proj = MergedColumnParallelLinear(
             c.hidden_size,
-            [c.kv_lora_rank + c.qk_rope_head_dim] * c.num_hidden_layers,
+            [c.kv_latent_dim] * c.num_hidden_layers,
             bias=False,
             return_bias=False,
             quant_config=quant_config,
@@ -383,9 +383,7 @@ class K3DSparkModel(nn.Module):
         assert self._context_kv_norm_weight is not None, "process_weights_after_loading has not run"
         c = self.config
         num_layers = len(self.layers)
-        latent = self.context_kv_proj(context_states).view(
-            -1, num_layers, c.kv_lora_rank + c.qk_rope_head_dim
-        )
+        latent = self.context_kv_proj(context_states).view(-1, num_layers, c.kv_latent_dim)
         kv_c, k_pe = latent.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         kv_c_normed = _grouped_rms_norm(kv_c, self._context_kv_norm_weight, c.rms_norm_eps)
         # All layers share one rotary table; the layer axis sits where heads would.

@@ -156,7 +156,7 @@ def checkpoint_modules(config: "K3DSparkConfig") -> list[ModuleSpec]:
     c = config
     h = c.hidden_size
     heads = c.num_attention_heads
-    latent = c.kv_lora_rank + c.qk_rope_head_dim
+    latent = c.kv_latent_dim
     per_layer: dict[str, tuple[Role, tuple[int, ...]]] = {
         "input_layernorm": ("norm", (h,)),
         "self_attn.q_a_proj": ("linear", (c.q_lora_rank, h)),

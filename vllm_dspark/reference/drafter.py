@@ -123,7 +123,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.q_b_proj = Linear(
             c.q_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
         )
-        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_latent_dim)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
         self.kv_b_proj = Linear(
             c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
