@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 
 Role = Literal["linear", "norm", "embedding"]
 
+# Where a drafter directory keeps the target's shared embedding and lm_head (make-random writes it).
+TARGET_DIR = "target"
+TARGET_HEADS = f"{TARGET_DIR}/model.safetensors"
+
 # Modules inside every ``layers.{i}`` block, in checkpoint order.
 LAYER_KINDS: tuple[str, ...] = (
     "input_layernorm",

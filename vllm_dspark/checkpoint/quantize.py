@@ -32,6 +32,7 @@ from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
     QUANTIZABLE_KINDS,
+    TARGET_DIR,
     ModuleSpec,
     checkpoint_modules,
     fused_module_groups,
@@ -52,7 +53,6 @@ from vllm_dspark.checkpoint.store import (
 from vllm_dspark.safety import check_output, refuse_nonempty, require_finite, staged
 
 REPORT_NAME = "quantization_report"
-TARGET_DIR = "target"
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")

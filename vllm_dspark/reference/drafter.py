@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_dspark.checkpoint.layout import tensor_shapes
+from vllm_dspark.checkpoint.layout import TARGET_DIR, tensor_shapes
 from vllm_dspark.checkpoint.store import (
     load_config,
     load_drafter_state_dict,
@@ -374,7 +374,7 @@ class ReferenceDrafter(nn.Module):
         model_dir = Path(model_dir)
         load_config(model_dir)  # a broken drafter directory is the first thing to report
         if target_dir is None:
-            target_dir = model_dir / "target"
+            target_dir = model_dir / TARGET_DIR
             if not target_dir.exists():
                 raise ValueError(
                     f"no target given and {target_dir} does not exist. Fix: pass the target model "
