@@ -140,7 +140,7 @@ def _draft_quant_config(
         raise ValueError(
             f"the K3 DSpark drafter serves BF16 or compressed-tensors checkpoints, but its quantization is "
             f"{quant_config.get_name()!r}. Fix: serve the BF16 checkpoint without a quantization override, or "
-            "quantize it with `vllm-dspark quantize --quant_format fp8`."
+            "quantize it with `vllm-dspark quantize --quant-format fp8`."
         )
     draft_dir = _draft_dir(vllm_config)
     try:

@@ -90,7 +90,7 @@ FUSED_GROUPS: dict[str, tuple[str, ...]] = {
 # this fused group spans all layers: one NVFP4 global scale for every layer's q_a and kv_a.
 _CROSS_LAYER_FUSED = "self_attn.fused_qkv_a_proj"
 
-# The modules quantized in the published FP8 build (its --include_layers).
+# The modules quantized in the published FP8 build (its --include-layers).
 FP8_RECIPE: tuple[str, ...] = (
     "mlp.gate_proj",
     "mlp.up_proj",
