@@ -1,36 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Kimi-K3 DSpark drafter for vLLM's ``dspark`` speculative method (``K3DSparkModel``).
+"""Kimi-K3 DSpark drafter for vLLM's ``dspark`` speculative method (``K3DSparkForCausalLM``).
 
-The registered class replaces vLLM's in-tree ``vllm.models.kimi_k3.nvidia.dspark_mla`` drafter
-with one that serves quantized checkpoints correctly and also runs off-GPU. What it computes is
-the in-tree model: five dense MLA decoder layers drafting a non-causal block
-``[anchor, mask x (N-1)]`` over context latents projected from the target's aux hidden states, a
-low-rank Markov head that the speculator applies sequentially, and a confidence head.
-
-Design:
-
-- **Module tree = checkpoint tree.** ``model.context_proj``, ``model.layers.{i}.self_attn.q_b_proj``
-  ... are the checkpoint's modules under ``model.``; the only runtime fusions are vLLM's usual ones
-  (``gate_proj + up_proj -> gate_up_proj``, ``q_a_proj + kv_a_proj_with_mqa -> fused_qkv_a_proj``)
-  plus ``context_kv_proj``, every layer's ``kv_a_proj_with_mqa`` stacked into one GEMM that projects
-  context latents for all layers at once. :meth:`K3DSparkForCausalLM.load_weights` routes each
-  checkpoint key explicitly and strictly: a tensor that lands nowhere, or a parameter nothing
-  filled, is a ``ValueError`` naming it. Fusing happens while loading, never by reading
-  ``.weight`` back, because vLLM's CPU linears repack and drop it after loading.
-- **Attention** is vLLM's Kimi-K3 MLA layer on GPUs, so draft layers join the target's MLA KV-cache
-  group; elsewhere a plain-torch layer with the same submodules (:mod:`vllm_dspark.attention`).
-- **Quantization.** One quantization-config instance serves every layer, built from the plan of
-  :mod:`vllm_dspark.checkpoint.quant_plan` (stored tensors first, reconciled with ``quantization_config``
-  under compressed-tensors' matching): a normalized compressed-tensors config that names the
-  quantized modules by their runtime names (draft layers are numbered after the target's,
-  ``model.layers.93-97`` for Kimi-K3), with ``packed_modules_mapping``. A config that conflicts
-  with the tensors is refused naming the module; one outside the spec whose tensors are
-  unambiguous is served as stored, with one warning. vLLM picks each linear's kernel for the
-  platform; one INFO line at load names them.
-- **Sharing and TP.** The embedding and lm_head are the target's (aliased by vLLM's
-  ``load_dspark_model``). The Markov and confidence heads are replicated, so every TP rank drafts
-  identical tokens; context projections are replicated too, attention heads and the MLP are split.
+It replaces vLLM's in-tree ``kimi_k3.nvidia.dspark_mla`` drafter with the same model (dense MLA layers
+drafting a non-causal block over context latents from the target's aux hidden states, a low-rank
+Markov head, a confidence head) that also serves quantized checkpoints and runs off-GPU. Its module
+tree is the checkpoint's under ``model.`` plus vLLM's usual fusions and ``context_kv_proj`` (every
+layer's ``kv_a_proj_with_mqa`` in one GEMM), as ``hf_to_vllm_mapper`` declares. One compressed-tensors
+config from :mod:`vllm_dspark.checkpoint.quant_plan` quantizes every layer. The embedding and lm_head
+are the target's; the heads and context projections are replicated, so every TP rank drafts alike.
 """
 
 from __future__ import annotations
@@ -157,8 +135,6 @@ def _draft_quant_config(
         return None, plan
     if current_platform.is_cpu():
         # vLLM has no CPU kernel for FP8 weight-only linears: add ours before any layer picks one.
-        # Imported here: vLLM's kernel registry takes a second to import, and only quantized
-        # drafters on CPU need it.
         from vllm_dspark.cpu_w8a16 import install
 
         install()
@@ -184,9 +160,8 @@ def _log_linear_kernels(model: nn.Module) -> None:
         )
 
 
-# vLLM's in-tree K3 drafter's context-KV path: one grouped rms_norm, one rotary_embedding and one
-# concat_and_cache_mla_grouped for all layers (~7 launches instead of ~25 per step). On CUDA the
-# draft layers are vLLM's own MLA, so that code runs on this model unchanged.
+# vLLM's in-tree drafter's grouped context-KV path (one norm, rope and cache insert for all layers);
+# on CUDA the draft layers are vLLM's own MLA, so it runs on this model unchanged.
 _UPSTREAM_CONTEXT_KV = (
     "precompute_and_store_context_kv",
     "_build_fused_context_kv_metadata",
@@ -320,9 +295,8 @@ class K3DSparkModel(nn.Module):
             )
             for i in range(c.num_hidden_layers)
         )
-        # Every layer's kv_a_proj_with_mqa stacked into one GEMM: context tokens only need the KV
-        # latent, so this projects L * 576 rows instead of L full q+kv projections. Its prefix is
-        # the first layer's fused_qkv_a_proj, so it is quantized exactly as kv_a_proj_with_mqa is.
+        # Context tokens need only the KV latent: every layer's kv_a_proj_with_mqa in one GEMM, under
+        # layer 0's fused_qkv_a_proj prefix so it is quantized exactly as kv_a_proj_with_mqa is.
         self.context_kv_proj = MergedColumnParallelLinear(
             c.hidden_size,
             [c.kv_latent_dim] * c.num_hidden_layers,

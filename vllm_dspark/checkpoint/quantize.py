@@ -7,7 +7,7 @@ and config.json gains one ``quantization_config`` with index-agnostic ``re:`` ta
 renumbers the draft layers after the target's). Tensors stream through one at a time, so peak
 memory stays near the largest tensor; ``--workers N`` quantizes N at once. A report
 (``quantization_report.json`` and ``.md``) gives params, sizes and weight SNR per module.
-No calibration; why SmoothQuant stays off is said once, in ``--help`` (the epilog of :func:`main`).
+No calibration, and SmoothQuant stays off: why is in the README ("Quantize and check a drafter").
 """
 
 from __future__ import annotations
@@ -399,10 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Quantize a K3 DSpark drafter checkpoint to a weight-only format, in the "
         "compressed-tensors format vLLM loads. Non-included tensors are copied bit-identical; a report "
         f"({REPORT_NAME}.json/.md) gives params quantized, sizes and weight SNR.",
-        epilog="No calibration; SmoothQuant is off on purpose: it eases activation quantization, and here "
-        "activations stay BF16, while per-output-channel FP8 weights are invariant to per-column rescaling (a "
-        "float format's relative rounding error does not depend on magnitude), so smoothing can only "
-        "redistribute the error, never remove it.",
+        epilog='No calibration; SmoothQuant is off on purpose (why: the README, "Quantize and check a '
+        'drafter").',
         formatter_class=_KebabHelp,
     )
     # Each flag's second spelling is qstream's, kept so existing scripts run; --help hides it.

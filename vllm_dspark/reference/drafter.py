@@ -31,12 +31,8 @@ from vllm_dspark.ops.rope import RotaryEmbedding, softmax_scale
 from vllm_dspark.ops.sampling import markov_rollout
 from vllm_dspark.safety import require_finite
 
-# A weight stored narrower than the compute dtype is upcast a slab of output rows at a time into one
-# reused, cache-sized scratch buffer: upcasting whole weights would allocate (and page-fault in) a
-# fresh FP32 copy of every weight on every call, which at the real shapes costs more than the matmuls.
-# 4 Mi elements (16 MiB in FP32) stays cache-friendly for a 7-token block; narrow slabs of a wide weight
-# (context_proj's 35840 inputs) starve the GEMM of output columns, so a slab never has fewer rows than
-# _MIN_SLAB_ROWS.
+# Narrow weights are upcast a slab of rows at a time into one reused, cache-sized scratch buffer (a
+# fresh FP32 copy per call costs more than the matmul); a floor on rows keeps wide weights' GEMMs fed.
 _UPCAST_CHUNK_ELEMENTS = 1 << 22
 _MIN_SLAB_ROWS = 256
 _scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

@@ -1,22 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Load a drafter directory through vLLM's own ``dspark`` loading path, outside an engine.
 
-``load_with_vllm`` does what ``DSparkSpeculator.load_draft_model`` does — vLLM's
-``load_dspark_model``: the real draft ``VllmConfig``, the draft's quant config, ``get_model``
-(``initialize_model`` -> ``load_weights`` -> per-layer post-processing ->
-``process_weights_after_loading``) and the aliasing of the target's embedding and lm_head — so a
-checkpoint can be proven loadable, and the loaded model's hooks inspected, on any machine. The demo
-and the tests use it.
-
-It stands in for only what an engine would provide and a CPU machine lacks:
-
-- vLLM's V1-model-runner check is skipped while the configs are built: ``dspark`` runs only in the
-  V2 GPU model runner, and the check would refuse a config for which no runner is ever made here;
-- the target is :class:`TargetHeads`, holding only what the drafter shares with it
-  (``model.embed_tokens`` and ``lm_head`` as vLLM's own layers, from the drafter's ``target/``
-  heads file), and its config is a small DeepSeek-V3 MLA config of the drafter's target geometry
-  (:func:`write_target_config`, into a temporary folder: a loader never writes into a checkpoint)
-  unless a real target config directory is given.
+``load_with_vllm`` runs vLLM's ``load_dspark_model`` (the draft ``VllmConfig``, its quant config,
+``get_model`` and the aliasing of the target's embedding and lm_head), so a checkpoint can be proven
+loadable and its hooks inspected on any machine. It stands in only for what a CPU machine lacks: the
+V1-runner check is skipped (``dspark`` runs only in the V2 GPU runner), the target is
+:class:`TargetHeads` (just the shared embedding and lm_head), and the target config is a small
+DeepSeek-V3 MLA config of the drafter's target geometry, written to a temporary folder.
 """
 
 from __future__ import annotations
