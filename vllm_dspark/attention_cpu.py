@@ -17,8 +17,8 @@ import torch
 import vllm.models.kimi_k3.nvidia.mla as k3_mla
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAImpl
 
-from vllm_dspark.attention import rotate_pe
 from vllm_dspark.attention_cuda import K3DSparkMLA
+from vllm_dspark.ops.rope import rotate_pe
 
 
 class TorchMLAImpl(TritonMLAImpl):
