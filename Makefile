@@ -4,6 +4,7 @@
 #               to FP8, checks it, loads it through vLLM's loader and prints the drift table
 #   make test   installs into .venv and runs the test suite (what CI runs)
 #   make test-mutation   the mutation check of the critical math (CI runs it too)
+#   make lint   ruff format --check and ruff check (CI runs it first)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +17,7 @@ TEST_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFF
 VLLM033_VENV ?= $(HOME)/.cache/vllm_dspark/venv-vllm-0.33.0
 DEMO_OUT ?= demo-out
 
-.PHONY: install test test-mutation test-vllm033 demo clean
+.PHONY: install lint test test-mutation test-vllm033 demo clean
 
 $(VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,10 @@ $(VENV)/.installed: setup.py pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+lint: install
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 test: install
 	$(TEST_ENV) $(VPY) -m pytest -q

@@ -105,6 +105,29 @@ def test_tiny_pair_loads_everywhere(tiny_runs) -> None:
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_training_pass_equals_the_serving_pass_per_block(tiny_checkpoint) -> None:
+    """Blocks sharing one context in training see exactly what each sees alone when drafting."""
+    from vllm_dspark.reference.drafter import ReferenceDrafter
+
+    drafter = ReferenceDrafter.from_pretrained(tiny_checkpoint)
+    config, length = drafter.config, 24
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (2, length), generator=generator)
+    aux = torch.randn(2, length, config.num_target_layers * config.target_hidden_size)
+    positions = torch.arange(length).expand(2, length)
+    context_kv = drafter.context_kv(drafter.combine_hidden_states(aux), positions)
+    anchors = torch.tensor([[1, 9, 16], [3, 4, 12]])
+    together = drafter.blocks_hidden(ids, anchors, context_kv)
+    for b in range(2):
+        for a, anchor in enumerate(anchors[b].tolist()):
+            alone = drafter.block_hidden(
+                ids[b, anchor][None],
+                context_kv[:, b : b + 1, :anchor],
+                torch.arange(anchor, anchor + config.block_size)[None],
+            )
+            torch.testing.assert_close(together[b, a], alone[0], rtol=1e-5, atol=1e-5)
+
+
 def test_bad_minutes_is_one_line(capsys) -> None:
     from vllm_dspark.tools.cli import main
 

@@ -17,11 +17,14 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint.formats import TensorSpec
 from vllm_dspark.checkpoint.layout import checkpoint_modules
+from vllm_dspark.checkpoint.quant_plan import QuantPlan, QuantPlanError, is_stray, resolve
 from vllm_dspark.checkpoint.st_io import (
     Entry,
     SafetensorsWriter,
@@ -32,9 +35,6 @@ from vllm_dspark.checkpoint.st_io import (
 )
 from vllm_dspark.config import K3DSparkConfig, check_identity
 from vllm_dspark.safety import invalid_scale_count
-
-if TYPE_CHECKING:
-    from vllm_dspark.checkpoint.formats import TensorSpec
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -128,8 +128,6 @@ def expected_tensors(
     An unquantized tensor is BF16 (F16 and F32 also load); a quantized module holds its format's
     tensors (packed codes and scales) instead of ``weight``.
     """
-    from vllm_dspark.checkpoint import formats
-
     quantized = quantized or {}
     expected: dict[str, TensorSpec] = {}
     for spec in checkpoint_modules(config):
@@ -145,8 +143,6 @@ def expected_tensors(
 
 
 def _float_tensor(shape: tuple[int, ...]) -> TensorSpec:
-    from vllm_dspark.checkpoint.formats import TensorSpec
-
     return TensorSpec(torch.bfloat16, shape, also=(torch.float16, torch.float32))
 
 
@@ -282,6 +278,17 @@ def stored_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
     return {key: headers[key] for key in weight_map}
 
 
+def resolve_checkpoint(model_dir: str | Path) -> QuantPlan:
+    """:func:`resolve` for a drafter directory: its config.json and its shard headers."""
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    return resolve(
+        config,
+        read_config_json(model_dir).get("quantization_config"),
+        {key: t.dtype for key, t in stored_tensors(model_dir).items()},
+    )
+
+
 def load_drafter_state_dict(
     model_dir: str | Path, *, dtype: torch.dtype | None = torch.bfloat16
 ) -> tuple[K3DSparkConfig, dict[str, torch.Tensor]]:
@@ -296,8 +303,6 @@ def load_drafter_state_dict(
     instant, and processes reading the same checkpoint share its pages. :func:`save_drafter` replaces
     files atomically, so rewriting a checkpoint never changes a mapped one under a running reader.
     """
-    from vllm_dspark.checkpoint.quant_plan import QuantPlanError, is_stray, resolve
-
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     raw = read_config_json(model_dir)
@@ -345,8 +350,6 @@ def _dequantize(
     module: str, fmt: str, shape: tuple[int, ...], read: Callable[[str], torch.Tensor]
 ) -> torch.Tensor:
     """``module``'s weight, dequantized from the ``fmt`` tensors that ``read(key)`` returns."""
-    from vllm_dspark.checkpoint import formats
-
     parts = {suffix: read(f"{module}.{suffix}") for suffix in formats.get(fmt).tensor_specs(shape)}
     for suffix, tensor in parts.items():
         bad = invalid_scale_count(tensor) if suffix.endswith("scale") else 0
@@ -405,6 +408,42 @@ def load_target_heads(
 
 
 # ----- writing -----
+
+
+def write_target_config(drafter: K3DSparkConfig, out_dir: str | Path) -> Path:
+    """A DeepSeek-V3 (MLA) target config.json with the geometry ``drafter`` expects of its target.
+
+    Hidden size, depth and vocabulary come from the drafter's ``target_*`` fields; the MLA shape is
+    the drafter's own, so the target's latent cache and the draft's agree (576 for Kimi-K3).
+    """
+    from transformers import DeepseekV3Config
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = DeepseekV3Config(
+        vocab_size=drafter.vocab_size,
+        hidden_size=drafter.target_hidden_size,
+        intermediate_size=2 * drafter.target_hidden_size,
+        moe_intermediate_size=drafter.target_hidden_size // 2,
+        num_hidden_layers=drafter.target_num_hidden_layers,
+        num_attention_heads=drafter.num_attention_heads,
+        num_key_value_heads=drafter.num_attention_heads,
+        q_lora_rank=drafter.q_lora_rank,
+        kv_lora_rank=drafter.kv_lora_rank,
+        qk_rope_head_dim=drafter.qk_rope_head_dim,
+        qk_nope_head_dim=drafter.qk_nope_head_dim,
+        v_head_dim=drafter.v_head_dim,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=4096,
+    )
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.save_pretrained(out_dir)
+    return out_dir
 
 
 def save_drafter(

@@ -27,12 +27,16 @@ import vllm_dspark.drift as drift_pkg
 from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
+    TARGET_DIR,
     checkpoint_modules,
     fused_module_groups,
     tensor_shapes,
 )
-from vllm_dspark.checkpoint.quant_plan import resolve_checkpoint
-from vllm_dspark.checkpoint.store import load_drafter_state_dict, load_target_heads
+from vllm_dspark.checkpoint.store import (
+    load_drafter_state_dict,
+    load_target_heads,
+    resolve_checkpoint,
+)
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.drift import corpus as corpus_mod
 from vllm_dspark.drift import metrics
@@ -197,7 +201,7 @@ def load_reference(spec: EvalSpec) -> tuple[K3DSparkConfig, ReferenceDrafter, He
     state_dict.pop(
         "embed_tokens.weight", None
     )  # the target's embedding is used; free the drafter's copy now
-    target = spec.target or str(Path(spec.model) / "target")
+    target = spec.target or str(Path(spec.model) / TARGET_DIR)
     embed, lm_head = load_target_heads(target, dtype=None)
     heads = Heads(embed.to(spec.device), lm_head.to(spec.device))
     reference = ReferenceDrafter.from_state_dict(

@@ -62,8 +62,9 @@ class PairSizes:
     check_prompts: int = 16
     check_tokens: int = 32
     max_files: int = 0  # 0: every file
-    threads: int = 1  # one thread: the numbers do not depend on the core count, and a busy machine
-    # runs it faster than two threads that wait on each other at every op
+    # One thread: the numbers do not depend on the core count, and on a busy machine it runs faster
+    # than two threads that wait on each other at every op.
+    threads: int = 1
 
 
 # ----- data -----
