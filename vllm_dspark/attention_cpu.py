@@ -18,14 +18,12 @@ absorbed decode path and weight post-processing — with three CPU substitutions
 
 from __future__ import annotations
 
-from unittest import mock
-
 import torch
-import vllm.models.kimi_k3.nvidia.mla as k3_mla
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAImpl
 
 from vllm_dspark.attention import rotate_pe
 from vllm_dspark.attention_cuda import K3DSparkMLA
+from vllm_dspark.compat import k3_mla_backend, keep_weight_on_cpu
 
 
 class TorchMLAImpl(TritonMLAImpl):
@@ -90,9 +88,9 @@ class K3DSparkCPUMLA(K3DSparkMLA):
                 "or serve on a GPU."
             )
         # The layer asks the platform for its backend, which on CPU is one without non-causal blocks.
-        with mock.patch.object(k3_mla, "get_attn_backend", lambda *args, **kwargs: TorchMLABackend):
+        with k3_mla_backend(TorchMLABackend):
             super().__init__(**kwargs)
-        self.kv_b_proj._cpu_skip_gemm_dispatch = True
+        keep_weight_on_cpu(self.kv_b_proj)
 
     def store_latent(
         self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor

@@ -25,11 +25,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import nn
 
+from vllm_dspark.compat import without_v1_runner_check
 from vllm_dspark.config import K3DSparkConfig
 
 TARGET_HEADS = Path("target") / "model.safetensors"
@@ -71,12 +71,6 @@ def write_target_config(drafter: K3DSparkConfig, out_dir: str | Path) -> Path:
     return out_dir
 
 
-def _without_v1_runner_check():
-    from vllm.config import VllmConfig
-
-    return mock.patch.object(VllmConfig, "_validate_v1_model_runner", lambda self: None)
-
-
 def engine_config(
     target_dir: str | Path,
     draft_dir: str | Path,
@@ -97,7 +91,7 @@ def engine_config(
         tensor_parallel_size=tensor_parallel_size,
         speculative_config={"method": "dspark", "model": str(draft_dir), **speculative},
     )
-    with _without_v1_runner_check():
+    with without_v1_runner_check():
         return args.create_engine_config()
 
 
@@ -178,7 +172,7 @@ def load_with_vllm(
             tensor_parallel_size=tensor_parallel_size,
             **speculative,
         )
-        with set_current_vllm_config(vllm_config), _without_v1_runner_check():
+        with set_current_vllm_config(vllm_config), without_v1_runner_check():
             ensure_single_process_runtime()
             target = TargetHeads(
                 heads_file or draft_dir / TARGET_HEADS, vllm_config.model_config.dtype
