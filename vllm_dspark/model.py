@@ -68,6 +68,8 @@ from vllm_dspark.checkpoint.quant_plan import (
     resolve_checkpoint,
     vllm_quantization_config,
 )
+from vllm_dspark.compat import bind_upstream_context_kv
+from vllm_dspark.findings import FindingError, within
 from vllm_dspark.safety import invalid_scale_count
 
 if TYPE_CHECKING:
@@ -135,10 +137,9 @@ def _draft_quant_config(
     try:
         plan = resolve_checkpoint(draft_dir)
     except QuantPlanError as e:
-        raise ValueError(f"K3 DSpark drafter {draft_dir}: {e}") from None
-    for warning in (plan.warning, plan.stray_warning()):
-        if warning:
-            logger.warning("K3 DSpark drafter %s: %s", draft_dir, warning)
+        raise FindingError(*within(f"K3 DSpark drafter {draft_dir}", e.findings)) from None
+    for warning in plan.warnings():
+        logger.warning("K3 DSpark drafter %s: %s", draft_dir, warning)
     normalized = vllm_quantization_config(
         plan, config, start_layer_id=start_layer_id, prefix=model_prefix
     )
@@ -171,29 +172,6 @@ def _log_linear_kernels(model: nn.Module) -> None:
             "K3 DSpark drafter quantized linears: %s",
             "; ".join(f"{kernel}: {', '.join(names)}" for kernel, names in by_kernel.items()),
         )
-
-
-# vLLM's in-tree K3 drafter's context-KV path: one grouped rms_norm, one rotary_embedding and one
-# concat_and_cache_mla_grouped for all layers (~7 launches instead of ~25 per step). On CUDA the
-# draft layers are vLLM's own MLA, so that code runs on this model unchanged.
-_UPSTREAM_CONTEXT_KV = (
-    "precompute_and_store_context_kv",
-    "_build_fused_context_kv_metadata",
-    "_precompute_fused_context_kv",
-    "_has_uniform_block_layout",
-    "_get_context_kv_cache_ptrs",
-)
-
-
-def _use_upstream_context_kv(model: nn.Module, vllm_config: VllmConfig) -> None:
-    """Bind vLLM's in-tree context-KV methods to ``model`` (CUDA only: they call CUDA kernels)."""
-    import types
-
-    from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkModel as Upstream
-
-    model._max_num_context_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-    for name in _UPSTREAM_CONTEXT_KV:
-        setattr(model, name, types.MethodType(getattr(Upstream, name), model))
 
 
 def _grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -340,7 +318,8 @@ class K3DSparkModel(nn.Module):
         # Every layer's kv_a_layernorm weight, stacked after loading by stack_context_kv_norms.
         self.register_buffer("_context_kv_norm_weight", None, persistent=False)
         if current_platform.is_cuda():
-            _use_upstream_context_kv(self, vllm_config)
+            # The draft layers are vLLM's own MLA there, so its fused context-KV path runs unchanged.
+            bind_upstream_context_kv(self, vllm_config.scheduler_config.max_num_batched_tokens)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None, "the target's embedding is shared after loading"

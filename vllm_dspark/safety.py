@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_dspark.findings import Finding, render
+
 _STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?:partial|old)-(?P<pid>\d+)$")
 _SPILL_PREFIX = "vllm-dspark-eval-"
 _SPILL_RE = re.compile(rf"^{_SPILL_PREFIX}(?P<pid>\d+)-")
@@ -201,14 +203,18 @@ _OS_FIXES = {
 }
 
 
-def describe_os_error(e: OSError) -> str:
-    """One line naming the path, what went wrong, and the fix."""
+def os_error_finding(e: OSError) -> Finding:
+    """What went wrong, on which path, and the fix."""
     where = f" {e.filename}" if e.filename else ""
     if e.filename2:
         where += f" -> {e.filename2}"
     problem = (e.strerror or str(e)).lower()
-    fix = _OS_FIXES.get(e.errno, "check the path and the disk")
-    return f"{problem}:{where}. Fix: {fix}."
+    return Finding(f"{problem}:{where}", _OS_FIXES.get(e.errno, "check the path and the disk"))
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line naming the path, what went wrong, and the fix."""
+    return render(os_error_finding(e))
 
 
 # ----- finite values -----
