@@ -408,7 +408,7 @@ def test_stray_lm_head_and_disabled_confidence_head_are_skipped_with_one_warning
     (warning,) = report.warnings
     assert (
         "skipping 3 stored tensor(s) the drafter does not use (confidence_head.proj.bias, "
-        "confidence_head.proj.weight, lm_head.weight)" in warning
+        "confidence_head.proj.weight, lm_head.weight)" in warning.problem
     )
     loaded_config, state_dict = load_drafter_state_dict(model_dir)
     assert set(state_dict) == set(tensor_shapes(loaded_config))

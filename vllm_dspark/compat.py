@@ -22,7 +22,8 @@ from typing import Any
 
 from vllm_dspark.version import SUPPORTED_VLLM, VLLM_CPU_BUILD, VLLM_GPU_BUILD, __version__, pin
 
-VERIFIED = (" ".join(VLLM_CPU_BUILD), " ".join(VLLM_GPU_BUILD))
+# Written out, not read from version.py: moving the pin must not mark an entry verified.
+VERIFIED = ("vllm-cpu 0.32.0", "vllm 0.33.0")
 
 
 @dataclass(frozen=True)

@@ -203,7 +203,7 @@ def check_sampling(
             )
         if rejection not in schema.rejection_sample_methods:
             fix = (
-                f"vLLM {schema.version} has no 'fly'; upgrade to vLLM 0.33 or use \"block\""
+                f"vLLM {schema.version} has no 'fly'; upgrade to vLLM {VLLM_GPU_BUILD[1]} or use \"block\""
                 if rejection == "fly"
                 else '"block" with probabilistic drafting, or "standard"'
             )
