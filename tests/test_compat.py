@@ -37,8 +37,8 @@ def test_each_touchpoint_is_verified_on_the_installed_vllm() -> None:
 
 
 # What importing a backend class raises where its kernels are not built or installed (flashinfer on
-# the CPU build, CUDA-only asserts, triton without a CPU backend).
-_NOT_ON_THIS_BUILD = (ImportError, AssertionError, AttributeError)
+# the CPU build, CUDA-only asserts or CUDA init without a GPU, triton without a CPU backend).
+_NOT_ON_THIS_BUILD = (ImportError, AssertionError, AttributeError, RuntimeError)
 
 
 def _sets_non_causal_flag(backend) -> bool:

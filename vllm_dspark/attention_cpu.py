@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonML
 from vllm_dspark.attention import rotate_pe
 from vllm_dspark.attention_cuda import K3DSparkMLA
 from vllm_dspark.compat import k3_mla_backend, keep_weight_on_cpu
+from vllm_dspark.findings import Finding, FindingError
 
 
 class TorchMLAImpl(TritonMLAImpl):
@@ -82,10 +83,12 @@ class K3DSparkCPUMLA(K3DSparkMLA):
     def __init__(self, **kwargs) -> None:
         cache_config = kwargs.get("cache_config")
         if cache_config is not None and cache_config.cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported by the K3 DSpark drafter on CPU "
-                "(its latent insert is written for a model-dtype cache). Fix: use kv_cache_dtype='auto', "
-                "or serve on a GPU."
+            raise FindingError(
+                Finding(
+                    f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported by the K3 DSpark drafter on CPU "
+                    "(its latent insert is written for a model-dtype cache)",
+                    "use kv_cache_dtype='auto', or serve on a GPU",
+                )
             )
         # The layer asks the platform for its backend, which on CPU is one without non-causal blocks.
         with k3_mla_backend(TorchMLABackend):

@@ -46,9 +46,10 @@ class FindingError(ValueError):
 
 
 def render(finding: Finding) -> str:
-    """One line: ``where: problem. Fix: fix.``"""
+    """``where: problem. Fix: fix.``: one line, or a listing problem with the fix on its own line."""
     head = f"{finding.where}: {finding.problem}" if finding.where else finding.problem
-    return f"{head.rstrip('.')}. Fix: {finding.fix.rstrip('.')}."
+    separator = "\nFix: " if "\n" in head else ". Fix: "
+    return f"{head.rstrip('.')}{separator}{finding.fix.rstrip('.')}."
 
 
 def render_table(findings: Iterable[Finding]) -> str:

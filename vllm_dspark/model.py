@@ -69,7 +69,7 @@ from vllm_dspark.checkpoint.quant_plan import (
     vllm_quantization_config,
 )
 from vllm_dspark.compat import bind_upstream_context_kv
-from vllm_dspark.findings import FindingError, within
+from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.safety import invalid_scale_count
 
 if TYPE_CHECKING:
@@ -128,10 +128,13 @@ def _draft_quant_config(
 
     quant_config = get_draft_quant_config(vllm_config)
     if quant_config is not None and not isinstance(quant_config, CompressedTensorsConfig):
-        raise ValueError(
-            f"the K3 DSpark drafter serves BF16 or compressed-tensors checkpoints, but its quantization is "
-            f"{quant_config.get_name()!r}. Fix: serve the BF16 checkpoint without a quantization override, or "
-            "quantize it with `vllm-dspark quantize --quant_format fp8`."
+        raise FindingError(
+            Finding(
+                "the K3 DSpark drafter serves BF16 or compressed-tensors checkpoints, but its "
+                f"quantization is {quant_config.get_name()!r}",
+                "serve the BF16 checkpoint without a quantization override, or quantize it with "
+                "`vllm-dspark quantize --quant_format fp8`",
+            )
         )
     draft_dir = _draft_dir(vllm_config)
     try:
@@ -394,18 +397,24 @@ class K3DSparkForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         if vllm_config.speculative_config is None:
-            raise ValueError(
-                "K3DSparkModel is a speculative drafter, not a standalone model. Fix: serve the target model "
-                "with speculative_config={'method': 'dspark', 'model': <this drafter>}."
+            raise FindingError(
+                Finding(
+                    "K3DSparkModel is a speculative drafter, not a standalone model",
+                    "serve the target model with speculative_config={'method': 'dspark', "
+                    "'model': <this drafter>}",
+                )
             )
         self.config: K3DSparkConfig = vllm_config.speculative_config.draft_model_config.hf_config
         # Draft layers are numbered after the target's (93-97 for Kimi-K3).
         start_layer_id = vllm_config.model_config.get_total_num_hidden_layers()
         target_depth = getattr(self.config, "target_num_hidden_layers", None)
         if target_depth is not None and target_depth != start_layer_id:
-            raise ValueError(
-                f"the drafter was made for a {target_depth}-layer target (target_num_hidden_layers), but the "
-                f"target has {start_layer_id} layers. Fix: serve it with the target it was trained for."
+            raise FindingError(
+                Finding(
+                    f"the drafter was made for a {target_depth}-layer target "
+                    f"(target_num_hidden_layers), but the target has {start_layer_id} layers",
+                    "serve it with the target it was trained for",
+                )
             )
         model_prefix = maybe_prefix(prefix, "model")
         self.quant_config, self._quant_plan = _draft_quant_config(

@@ -227,10 +227,12 @@ def validate_tensor_shapes(
             "(the shapes follow hidden_size, num_hidden_layers, intermediate_size, the MLA ranks, vocab_size "
             "and markov_rank), or re-export the checkpoint"
         )
-    raise ValueError(
-        f"{source} does not match its config.json ({_describe(config)}):\n  - "
-        + "\n  - ".join(listed)
-        + f"\nFix: {fix}."
+    raise FindingError(
+        Finding(
+            f"{source} does not match its config.json ({_describe(config)}):\n  - "
+            + "\n  - ".join(listed),
+            fix,
+        )
     )
 
 
@@ -387,10 +389,12 @@ def _dequantize(
     for suffix, tensor in parts.items():
         bad = invalid_scale_count(tensor) if suffix.endswith("scale") else 0
         if bad:
-            raise ValueError(
-                f"{module}.{suffix}: {bad} of {tensor.numel()} scale values are NaN, infinite, zero or "
-                "negative, so the weight cannot be dequantized. Fix: re-quantize the BF16 checkpoint "
-                "with `vllm-dspark quantize`."
+            raise FindingError(
+                Finding(
+                    f"{module}.{suffix}: {bad} of {tensor.numel()} scale values are NaN, infinite, zero or "
+                    "negative, so the weight cannot be dequantized",
+                    "re-quantize the BF16 checkpoint with `vllm-dspark quantize`",
+                )
             )
     try:
         weight = formats.get(fmt).dequantize(parts, tuple(shape))
@@ -417,15 +421,21 @@ def load_target_heads(
     elif target_dir.is_dir():
         weight_map = _weight_map(target_dir)
     else:
-        raise ValueError(
-            f"target {target_dir} does not exist. Fix: pass the target model's directory (or a "
-            f"safetensors file with {TARGET_EMBED_KEY} and {TARGET_LM_HEAD_KEY})."
+        raise FindingError(
+            Finding(
+                f"target {target_dir} does not exist",
+                f"pass the target model's directory (or a safetensors file with {TARGET_EMBED_KEY} "
+                f"and {TARGET_LM_HEAD_KEY})",
+            )
         )
     missing = [k for k in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY) if k not in weight_map]
     if missing:
-        raise ValueError(
-            f"target {target_dir} lacks {' and '.join(missing)}. Fix: pass the target model the "
-            "drafter was trained for; the drafter shares its embedding and lm_head."
+        raise FindingError(
+            Finding(
+                f"target {target_dir} lacks {' and '.join(missing)}",
+                "pass the target model the drafter was trained for; the drafter shares its "
+                "embedding and lm_head",
+            )
         )
     embed, lm_head = (
         read_tensor(weight_map[key], key) for key in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY)

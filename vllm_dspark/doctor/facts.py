@@ -200,3 +200,29 @@ def load_drafter(
                 )
             ],
         )
+
+
+def engine_facts(engine_args: Any) -> EngineFacts:
+    """The facts of a vLLM ``EngineArgs``."""
+    return EngineFacts(
+        kv_cache_dtype=engine_args.kv_cache_dtype or "auto",
+        cudagraph_mode=cudagraph_mode_from_compilation_config(engine_args.compilation_config),
+        enforce_eager=bool(engine_args.enforce_eager),
+        enable_lora=bool(engine_args.enable_lora),
+        pipeline_parallel_size=engine_args.pipeline_parallel_size,
+        max_num_seqs=engine_args.max_num_seqs,
+    )
+
+
+def serving_machine() -> MachineFacts | None:
+    """The serving GPU as vLLM sees it (NVML, no CUDA context); None on other platforms."""
+    from vllm.platforms import current_platform
+
+    if not (current_platform.is_cuda() or current_platform.is_rocm()):
+        return None
+    cap = current_platform.get_device_capability()
+    return MachineFacts(
+        "rocm" if current_platform.is_rocm() else "cuda",
+        (cap.major, cap.minor) if cap is not None else None,
+        current_platform.get_device_name(),
+    )

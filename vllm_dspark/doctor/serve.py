@@ -17,42 +17,16 @@ from vllm_dspark.doctor.checks import (
     is_k3_drafter,
 )
 from vllm_dspark.doctor.facts import (
-    EngineFacts,
-    MachineFacts,
-    cudagraph_mode_from_compilation_config,
+    engine_facts,
     read_json,
     resolve_drafter,
+    serving_machine,
     vllm_schema,
 )
 from vllm_dspark.findings import Finding, errors, render, render_table
 
 # The env var that turns the serving-time hook off (the CLI always runs).
 DISABLE_ENV = "VLLM_DSPARK_DOCTOR"
-
-
-def _engine_facts(engine_args: Any) -> EngineFacts:
-    return EngineFacts(
-        kv_cache_dtype=engine_args.kv_cache_dtype or "auto",
-        cudagraph_mode=cudagraph_mode_from_compilation_config(engine_args.compilation_config),
-        enforce_eager=bool(engine_args.enforce_eager),
-        enable_lora=bool(engine_args.enable_lora),
-        pipeline_parallel_size=engine_args.pipeline_parallel_size,
-        max_num_seqs=engine_args.max_num_seqs,
-    )
-
-
-def _serving_machine() -> MachineFacts | None:
-    """The serving GPU as vLLM sees it (NVML, no CUDA context); None on other platforms."""
-    from vllm.platforms import current_platform
-
-    if not (current_platform.is_cuda() or current_platform.is_rocm()):
-        return None
-    cap = current_platform.get_device_capability()
-    return MachineFacts(
-        "rocm" if current_platform.is_rocm() else "cuda",
-        (cap.major, cap.minor) if cap is not None else None,
-        current_platform.get_device_name(),
-    )
 
 
 def _merged_spec(engine_args: Any) -> dict[str, Any] | None:
@@ -149,8 +123,8 @@ def _run_hook_checks(
     findings = diagnose(
         spec,
         drafter=drafter,
-        engine=_engine_facts(engine_args),
-        machine=_serving_machine(),
+        engine=engine_facts(engine_args),
+        machine=serving_machine(),
         target=target,
         schema=vllm_schema(),
     )
