@@ -4,6 +4,7 @@
 #               to FP8, checks it, loads it through vLLM's loader and prints the drift table
 #   make test   installs into .venv and runs the test suite (what CI runs)
 #   make test-mutation   the mutation check of the critical math (CI runs it too)
+#   make lint   ruff format --check and ruff check (CI runs it first)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +19,7 @@ VLLM_GPU_PIN := $(shell $(PYTHON) -c 'v = {}; exec(open("vllm_dspark/version.py"
 VLLM033_VENV ?= $(HOME)/.cache/vllm_dspark/venv-$(subst ==,-,$(VLLM_GPU_PIN))
 DEMO_OUT ?= demo-out
 
-.PHONY: install test test-mutation test-vllm033 demo clean
+.PHONY: install lint test test-mutation test-vllm033 demo clean
 
 $(VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,10 @@ $(VENV)/.installed: setup.py pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+lint: install
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 test: install
 	$(TEST_ENV) $(VPY) -m pytest -q

@@ -27,7 +27,7 @@ from vllm_dspark.checkpoint.layout import (
     tensor_shapes,
 )
 from vllm_dspark.checkpoint.quantize import quantize_checkpoint
-from vllm_dspark.checkpoint.store import load_config, load_drafter_state_dict
+from vllm_dspark.checkpoint.store import load_config, load_drafter_state_dict, resolve_checkpoint
 from vllm_dspark.doctor import checks
 from vllm_dspark.findings import Finding
 
@@ -128,7 +128,7 @@ def test_conflicting_encodings_are_refused_by_check_doctor_and_vllm_alike(
 ) -> None:
     model_dir = encodings("fp8", name)
     with pytest.raises(quant_plan.QuantPlanError) as refused:
-        quant_plan.resolve_checkpoint(model_dir)
+        resolve_checkpoint(model_dir)
     message, refusal = str(refused.value), refused.value.finding
     assert "\n" not in message and f" {REFUSED[name][1]}" in message and "Fix: " in message
 
@@ -206,7 +206,7 @@ def test_4bit_builds_resolve_to_the_recipe_at_vllm_runtime_names(
     assert bool(report.warnings) == (name in WARNED)
     config = load_config(model_dir)
     start = config.target_num_hidden_layers
-    plan = quant_plan.resolve_checkpoint(model_dir)
+    plan = resolve_checkpoint(model_dir)
     quant_config = CompressedTensorsConfig.from_config(
         quant_plan.vllm_quantization_config(plan, config, start_layer_id=start)
     )

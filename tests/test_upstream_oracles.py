@@ -26,10 +26,9 @@ from _vllm_drafter import SKEWED_CONFIG, Served, bind_caches, load_drafter, make
 from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
 from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
-from vllm_dspark.attention import rotate_pe
 from vllm_dspark.checkpoint.presets import preset_config
 from vllm_dspark.cpu_runtime import ensure_single_process_runtime
-from vllm_dspark.ops.rope import RotaryEmbedding, softmax_scale
+from vllm_dspark.ops.rope import RotaryEmbedding, rotate_pe, softmax_scale
 from vllm_dspark.reference.drafter import MultiHeadLatentAttention as ReferenceMLA
 from vllm_dspark.reference.drafter import ReferenceDrafter
 

@@ -30,12 +30,11 @@ from vllm.platforms import current_platform
 from vllm.triton_utils import HAS_TRITON
 
 from vllm_dspark.findings import Finding, FindingError
-from vllm_dspark.ops.rope import apply_rotary_interleaved, softmax_scale
+from vllm_dspark.ops.rope import rotate_pe, softmax_scale
 
 if TYPE_CHECKING:
     from vllm.config import CacheConfig
     from vllm.model_executor.layers.quantization import QuantizationConfig
-    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
     from vllm_dspark.config import K3DSparkConfig
 
@@ -68,19 +67,6 @@ def mla_rope_parameters(config: K3DSparkConfig) -> dict[str, Any]:
             else "deepseek_yarn"
         )
     return rope_parameters
-
-
-def rotate_pe(
-    rotary_emb: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor
-) -> torch.Tensor:
-    """GPT-J-rotate ``x [T, heads, rope_dim]`` at ``positions [T]`` with the layer's fp32 cos/sin table.
-
-    The table is the one the GPU layer's fused epilogues read, so context latents written here and
-    query-block latents written by those kernels carry the same rotation.
-    """
-    assert not rotary_emb.is_neox_style, "Kimi-K3 MLA rotates GPT-J style"
-    cos, sin = rotary_emb.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-    return apply_rotary_interleaved(x, cos.unsqueeze(-2), sin.unsqueeze(-2))
 
 
 class TorchLatentAttention(nn.Module):

@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAImpl
 
-from vllm_dspark.attention import rotate_pe
 from vllm_dspark.attention_cuda import K3DSparkMLA
 from vllm_dspark.compat import k3_mla_backend, keep_weight_on_cpu
 from vllm_dspark.findings import Finding, FindingError
+from vllm_dspark.ops.rope import rotate_pe
 
 
 class TorchMLAImpl(TritonMLAImpl):

@@ -59,17 +59,18 @@ from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefi
 from vllm.models.common.ops.fused_allreduce_rms_norm import fused_allreduce_rms_norm
 from vllm.platforms import current_platform
 
-from vllm_dspark.attention import build_latent_attention, rotate_pe
+from vllm_dspark.attention import build_latent_attention
 from vllm_dspark.checkpoint.layout import FUSED_GROUPS, checkpoint_modules
 from vllm_dspark.checkpoint.quant_plan import (
     QuantPlan,
     QuantPlanError,
     is_stray,
-    resolve_checkpoint,
     vllm_quantization_config,
 )
+from vllm_dspark.checkpoint.store import resolve_checkpoint
 from vllm_dspark.compat import bind_upstream_context_kv
 from vllm_dspark.findings import Finding, FindingError, within
+from vllm_dspark.ops.rope import rotate_pe
 from vllm_dspark.safety import invalid_scale_count
 
 if TYPE_CHECKING:

@@ -18,7 +18,6 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -360,19 +359,6 @@ def declared(config: K3DSparkConfig, quantization_config: Mapping[str, Any]) -> 
         checkpoint_modules(config), getattr(config, "target_num_hidden_layers", None), {}
     )
     return {name: fmt for name, (fmt, _) in said.items() if fmt is not None}
-
-
-def resolve_checkpoint(model_dir: str | Path) -> QuantPlan:
-    """:func:`resolve` for a drafter directory: its config.json and its shard headers."""
-    from vllm_dspark.checkpoint.store import load_config, read_config_json, stored_tensors
-
-    model_dir = Path(model_dir)
-    config = load_config(model_dir)
-    return resolve(
-        config,
-        read_config_json(model_dir).get("quantization_config"),
-        {key: t.dtype for key, t in stored_tensors(model_dir).items()},
-    )
 
 
 def vllm_quantization_config(

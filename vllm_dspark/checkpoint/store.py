@@ -17,11 +17,14 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint.formats import TensorSpec
 from vllm_dspark.checkpoint.layout import checkpoint_modules
+from vllm_dspark.checkpoint.quant_plan import QuantPlan, QuantPlanError, is_stray, resolve
 from vllm_dspark.checkpoint.st_io import (
     Entry,
     SafetensorsWriter,
@@ -33,9 +36,6 @@ from vllm_dspark.checkpoint.st_io import (
 from vllm_dspark.config import K3DSparkConfig, check_identity
 from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.safety import invalid_scale_count
-
-if TYPE_CHECKING:
-    from vllm_dspark.checkpoint.formats import TensorSpec
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -152,8 +152,6 @@ def expected_tensors(
     An unquantized tensor is BF16 (F16 and F32 also load); a quantized module holds its format's
     tensors (packed codes and scales) instead of ``weight``.
     """
-    from vllm_dspark.checkpoint import formats
-
     quantized = quantized or {}
     expected: dict[str, TensorSpec] = {}
     for spec in checkpoint_modules(config):
@@ -169,8 +167,6 @@ def expected_tensors(
 
 
 def _float_tensor(shape: tuple[int, ...]) -> TensorSpec:
-    from vllm_dspark.checkpoint.formats import TensorSpec
-
     return TensorSpec(torch.bfloat16, shape, also=(torch.float16, torch.float32))
 
 
@@ -321,6 +317,17 @@ def stored_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
     return {key: headers[key] for key in weight_map}
 
 
+def resolve_checkpoint(model_dir: str | Path) -> QuantPlan:
+    """:func:`resolve` for a drafter directory: its config.json and its shard headers."""
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    return resolve(
+        config,
+        read_config_json(model_dir).get("quantization_config"),
+        {key: t.dtype for key, t in stored_tensors(model_dir).items()},
+    )
+
+
 def load_drafter_state_dict(
     model_dir: str | Path, *, dtype: torch.dtype | None = torch.bfloat16
 ) -> tuple[K3DSparkConfig, dict[str, torch.Tensor]]:
@@ -335,8 +342,6 @@ def load_drafter_state_dict(
     instant, and processes reading the same checkpoint share its pages. :func:`save_drafter` replaces
     files atomically, so rewriting a checkpoint never changes a mapped one under a running reader.
     """
-    from vllm_dspark.checkpoint.quant_plan import QuantPlanError, is_stray, resolve
-
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     raw = read_config_json(model_dir)
@@ -383,8 +388,6 @@ def _dequantize(
     module: str, fmt: str, shape: tuple[int, ...], read: Callable[[str], torch.Tensor]
 ) -> torch.Tensor:
     """``module``'s weight, dequantized from the ``fmt`` tensors that ``read(key)`` returns."""
-    from vllm_dspark.checkpoint import formats
-
     parts = {suffix: read(f"{module}.{suffix}") for suffix in formats.get(fmt).tensor_specs(shape)}
     for suffix, tensor in parts.items():
         bad = invalid_scale_count(tensor) if suffix.endswith("scale") else 0

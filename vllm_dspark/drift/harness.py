@@ -31,8 +31,11 @@ from vllm_dspark.checkpoint.layout import (
     fused_module_groups,
     tensor_shapes,
 )
-from vllm_dspark.checkpoint.quant_plan import resolve_checkpoint
-from vllm_dspark.checkpoint.store import load_drafter_state_dict, load_target_heads
+from vllm_dspark.checkpoint.store import (
+    load_drafter_state_dict,
+    load_target_heads,
+    resolve_checkpoint,
+)
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.drift import corpus as corpus_mod
 from vllm_dspark.drift import metrics
