@@ -504,6 +504,16 @@ def test_cli_rejects_malformed_json(capsys) -> None:
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def test_cli_takes_underscore_spellings_without_listing_them() -> None:
+    parser = cli.build_parser()
+    kebab = parser.parse_args(["--speculative-config", "{}", "--kv-cache-dtype", "fp8", "-pp", "2"])
+    underscore = parser.parse_args(
+        ["--speculative_config={}", "--kv_cache_dtype", "fp8", "--pipeline_parallel_size", "2"]
+    )
+    assert vars(underscore) == vars(kebab)
+    assert "_" not in "".join(a for a in parser.format_help().split() if a.startswith("--"))
+
+
 def test_cli_dispatch(capsys, drafter_dir) -> None:
     from vllm_dspark.tools.cli import main
 
