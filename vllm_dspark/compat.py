@@ -261,19 +261,19 @@ def k3_mla_backend(backend: type) -> contextlib.AbstractContextManager[Any]:
 
 def keep_weight_on_cpu(layer: Any) -> None:
     """Stop vLLM's CPU GEMM dispatch from repacking and dropping ``layer.weight``."""
-    layer._cpu_skip_gemm_dispatch = True
+    setattr(layer, CPU_SKIP_GEMM_DISPATCH.reads, True)
 
 
 def kv_cache_scale(layer: Any) -> Any:
     """The KV-cache quantization scale vLLM keeps on an attention layer."""
-    return layer._k_scale
+    return getattr(layer, ATTENTION_K_SCALE.reads)
 
 
 def bind_upstream_context_kv(model: Any, max_num_context_tokens: int) -> None:
     """Bind vLLM's in-tree K3 drafter's fused context-KV methods to ``model`` (CUDA only)."""
     import types
 
-    upstream = UPSTREAM_CONTEXT_KV.resolve()
-    model._max_num_context_tokens = max_num_context_tokens
+    upstream = getattr(*UPSTREAM_CONTEXT_KV.owner())  # resolve() reads source: test-time only
+    setattr(model, UPSTREAM_CONTEXT_KV.reads, max_num_context_tokens)
     for name in UPSTREAM_CONTEXT_KV.members:
         setattr(model, name, types.MethodType(getattr(upstream, name), model))
