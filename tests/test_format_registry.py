@@ -85,11 +85,11 @@ def test_toy_format_quantize_check_load_eval(
         cli.main(
             [
                 "quantize",
-                "--model_dir",
+                "--model-dir",
                 str(tiny_checkpoint),
-                "--output_dir",
+                "--output-dir",
                 str(out),
-                "--quant_format",
+                "--quant-format",
                 toy_format.name,
             ]
         )

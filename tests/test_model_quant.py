@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The FP8 compressed-tensors drafter in vLLM on CPU: per-layer quant methods, numerics, refusals.
 
-The FP8 checkpoint is made by this project's quantizer (``vllm-dspark quantize --quant_format fp8``,
+The FP8 checkpoint is made by this project's quantizer (``vllm-dspark quantize --quant-format fp8``,
 the published recipe: gate/up/down, o_proj, q_b_proj, context_proj) from the random ``tiny`` drafter,
 and loaded through vLLM's dspark loader as in ``test_model.py`` (same CPU stand-in attention). FP8
 weight-only linears run on :mod:`vllm_dspark.cpu_w8a16`, the plugin's CPU kernel: vLLM has none.

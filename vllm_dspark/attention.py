@@ -104,7 +104,7 @@ class TorchLatentAttention(nn.Module):
         self.qk_rope_head_dim = c.qk_rope_head_dim
         self.qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
         self.v_head_dim = c.v_head_dim
-        self.head_size = c.kv_lora_rank + c.qk_rope_head_dim
+        self.head_size = c.kv_latent_dim
         self.scale = softmax_scale(self.qk_head_dim, c.rope_parameters)
         self.rotary_emb = get_rope(
             c.qk_rope_head_dim,

@@ -1,19 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The K3 DSpark draft layers' attention inside a CPU engine: the GPU layer on TRITON_MLA's metadata.
 
-vLLM's ``dspark`` speculator runs only in Model Runner V2, which on CPU needs Triton (under its
-interpreter, there being no triton-cpu wheel). Where it runs, the draft layers are the same
-:class:`~vllm_dspark.attention_cuda.K3DSparkMLA` as on GPUs — same submodules, KV-cache spec,
-absorbed decode path and weight post-processing — with three CPU substitutions:
-
-- the backend is :class:`TorchMLABackend`: TRITON_MLA's metadata builder, which flattens the
-  non-causal draft block into decode rows (vLLM's CPU platform would pick CPU_MLA/AMX_MLA, which
-  cannot take it), with the decode attention in torch (TRITON_MLA's own kernel runs under the
-  interpreter too, but at ~2 s per layer and step); it shares the target's KV-cache group, since
-  only the spec and block size must agree across a group;
-- the decode epilogue (RoPE, query concat, latent insert) is torch instead of a fused CUDA op;
-- ``kv_b_proj`` keeps its weight (vLLM's CPU linears repack and drop it), as vLLM's own MLA layer
-  arranges on CPU, so the decode path can absorb it.
+``dspark`` runs only in Model Runner V2, which on CPU needs Triton (under its interpreter). There the
+draft layers are the GPU's :class:`~vllm_dspark.attention_cuda.K3DSparkMLA` with three substitutions:
+the backend is :class:`TorchMLABackend` (TRITON_MLA's metadata builder, which flattens the
+non-causal block into decode rows, with decode attention in torch; vLLM's CPU MLA backends cannot
+take the block), the decode epilogue (RoPE, query concat, latent insert) is torch instead of a fused
+CUDA op, and ``kv_b_proj`` keeps its weight (vLLM's CPU linears drop it) so decode can absorb it.
 """
 
 from __future__ import annotations

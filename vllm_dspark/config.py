@@ -111,11 +111,6 @@ class K3DSparkConfig(DeepseekV3Config):
         """Elements per token in the MLA latent cache: kv_lora_rank + qk_rope_head_dim."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    @property
-    def num_query_tokens(self) -> int:
-        """Positions drafted in one parallel pass: the anchor plus block_size - 1 mask tokens."""
-        return self.block_size
-
 
 def _normalise_rope(rope: Mapping[str, Any] | None, rope_theta: float) -> dict[str, Any]:
     """Fill rope defaults and refuse an incomplete YaRN block before transformers sees it.

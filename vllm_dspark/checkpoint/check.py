@@ -19,7 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dspark.checkpoint import formats, quant_plan
-from vllm_dspark.checkpoint.layout import ModuleSpec, checkpoint_modules, fused_module_groups
+from vllm_dspark.checkpoint.layout import (
+    TARGET_HEADS,
+    ModuleSpec,
+    checkpoint_modules,
+    fused_module_groups,
+)
 from vllm_dspark.checkpoint.st_io import SAFETENSORS_DTYPES, StoredTensor, read_tensor
 from vllm_dspark.checkpoint.store import (
     expected_tensors,
@@ -203,7 +208,7 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
         f"{len(stored)} tensors in {len({t.path for t in stored.values()})} shard(s): "
         f"{human_bytes(size)}"
     )
-    target = model_dir / "target" / "model.safetensors"
+    target = model_dir / TARGET_HEADS
     if target.is_file():
         report.summary.append(f"target heads (shared embedding and lm_head): {target}")
 

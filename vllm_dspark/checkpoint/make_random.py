@@ -22,14 +22,24 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_dspark.checkpoint.layout import checkpoint_modules, tensor_shapes
+from vllm_dspark.checkpoint.layout import (
+    TARGET_DIR,
+    TARGET_HEADS,
+    checkpoint_modules,
+    tensor_shapes,
+)
 from vllm_dspark.checkpoint.presets import PRESETS, preset_config_json
 from vllm_dspark.checkpoint.st_io import Entry, SafetensorsWriter, save_tensors
-from vllm_dspark.checkpoint.store import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY, save_drafter
+from vllm_dspark.checkpoint.store import (
+    TARGET_EMBED_KEY,
+    TARGET_LM_HEAD_KEY,
+    load_target_heads,
+    save_drafter,
+    write_target_config,
+)
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, refuse_nonempty, staged
-from vllm_dspark.tools.vllm_load import write_target_config
 
 # Rows are generated in fixed-size slabs, so the values do not depend on memory settings.
 _SLAB_ELEMENTS = 1 << 24
@@ -138,7 +148,7 @@ def _write_random(out_dir: Path, preset: str, *, seed: int, progress: bool) -> N
         disable=not progress,
     )
 
-    target_dir = out_dir / "target"
+    target_dir = out_dir / TARGET_DIR
     entries = _bf16_entries(config)
     heads = [
         Entry.planned(key, torch.bfloat16, (config.vocab_size, config.hidden_size))
@@ -248,8 +258,6 @@ def make_random_like(
     import json
     import shutil
 
-    from vllm_dspark.checkpoint.store import load_target_heads
-
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise FindingError(Finding(f"seed must be an integer, got {seed!r}", "pass a whole number"))
@@ -275,8 +283,8 @@ def make_random_like(
     with staged(out_dir, directory=True) as staging:
         save_drafter(staging, config_json, tensors, entries=_bf16_entries(config))
         heads = {TARGET_EMBED_KEY: embed_tokens, TARGET_LM_HEAD_KEY: lm_head}
-        save_tensors(staging / "target" / "model.safetensors", heads)
-        shutil.copyfile(target_dir / "config.json", staging / "target" / "config.json")
+        save_tensors(staging / TARGET_HEADS, heads)
+        shutil.copyfile(target_dir / "config.json", staging / TARGET_DIR / "config.json")
     return out_dir
 
 

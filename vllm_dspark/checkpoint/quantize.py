@@ -7,12 +7,13 @@ and config.json gains one ``quantization_config`` with index-agnostic ``re:`` ta
 renumbers the draft layers after the target's). Tensors stream through one at a time, so peak
 memory stays near the largest tensor; ``--workers N`` quantizes N at once. A report
 (``quantization_report.json`` and ``.md``) gives params, sizes and weight SNR per module.
-No calibration; why SmoothQuant stays off is said once, in ``--help`` (the epilog of :func:`main`).
+No calibration, and SmoothQuant stays off: why is in the README ("Quantize and check a drafter").
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import shutil
@@ -32,6 +33,7 @@ from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
     QUANTIZABLE_KINDS,
+    TARGET_DIR,
     ModuleSpec,
     checkpoint_modules,
     fused_module_groups,
@@ -52,7 +54,6 @@ from vllm_dspark.checkpoint.store import (
 from vllm_dspark.safety import check_output, refuse_nonempty, require_finite, staged
 
 REPORT_NAME = "quantization_report"
-TARGET_DIR = "target"
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -362,8 +363,8 @@ def quantize_checkpoint(
         raise Refusal(f"--workers must be at least 1, got {workers}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise Refusal("--device cuda, but torch sees no CUDA device; use --device cpu")
-    check_output(output_dir, [model_dir], flag="--output_dir")
-    refuse_nonempty(output_dir, overwrite=overwrite, flag="--output_dir")
+    check_output(output_dir, [model_dir], flag="--output-dir")
+    refuse_nonempty(output_dir, overwrite=overwrite, flag="--output-dir")
     plan = _plan(model_dir, fmt, include_layers)
     threads = torch.get_num_threads()
     try:
@@ -381,30 +382,51 @@ def quantize_checkpoint(
     return report
 
 
+class _KebabHelp(argparse.HelpFormatter):
+    """Lists each flag under its kebab-case spelling only; the underscore aliases still parse."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        kebab = [s for s in action.option_strings if "_" not in s]
+        if kebab != action.option_strings:
+            action = copy.copy(action)
+            action.option_strings = kebab
+        return super()._format_action_invocation(action)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="vllm-dspark quantize",
         description="Quantize a K3 DSpark drafter checkpoint to a weight-only format, in the "
         "compressed-tensors format vLLM loads. Non-included tensors are copied bit-identical; a report "
         f"({REPORT_NAME}.json/.md) gives params quantized, sizes and weight SNR.",
-        epilog="No calibration; SmoothQuant is off on purpose: it eases activation quantization, and here "
-        "activations stay BF16, while per-output-channel FP8 weights are invariant to per-column rescaling (a "
-        "float format's relative rounding error does not depend on magnitude), so smoothing can only "
-        "redistribute the error, never remove it.",
+        epilog='No calibration; SmoothQuant is off on purpose (why: the README, "Quantize and check a '
+        'drafter").',
+        formatter_class=_KebabHelp,
+    )
+    # Each flag's second spelling is qstream's, kept so existing scripts run; --help hides it.
+    parser.add_argument(
+        "--model-dir",
+        "--model_dir",
+        required=True,
+        type=Path,
+        help="the BF16 drafter checkpoint directory",
     )
     parser.add_argument(
-        "--model_dir", required=True, type=Path, help="the BF16 drafter checkpoint directory"
+        "--output-dir",
+        "--output_dir",
+        required=True,
+        type=Path,
+        help="where to write the quantized checkpoint",
     )
     parser.add_argument(
-        "--output_dir", required=True, type=Path, help="where to write the quantized checkpoint"
-    )
-    parser.add_argument(
+        "--quant-format",
         "--quant_format",
         required=True,
         choices=formats.names(),
         help="; ".join(fmt.description for fmt in formats.REGISTRY.values()),
     )
     parser.add_argument(
+        "--include-layers",
         "--include_layers",
         nargs="+",
         default=list(FP8_RECIPE),
@@ -418,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers", type=int, default=1, help="tensors quantized in parallel (default 1)"
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
     args = parser.parse_args(argv)
     report = quantize_checkpoint(
         args.model_dir,

@@ -137,6 +137,12 @@ def read_tensor(path: str | Path, key: str) -> torch.Tensor:
         return reader.read(path, key)
 
 
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one file, in header order."""
+    with TensorReader() as reader:
+        return {key: reader.read(path, key) for key in read_header(path)}
+
+
 def _write_all(file, data: memoryview) -> None:
     while data:  # an unbuffered write may be partial (Linux caps one at 2 GiB)
         data = data[file.write(data) :]

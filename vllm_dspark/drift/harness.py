@@ -27,6 +27,7 @@ import vllm_dspark.drift as drift_pkg
 from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
+    TARGET_DIR,
     checkpoint_modules,
     fused_module_groups,
     tensor_shapes,
@@ -185,7 +186,7 @@ def load_reference(spec: EvalSpec) -> tuple[K3DSparkConfig, ReferenceDrafter, He
     state_dict.pop(
         "embed_tokens.weight", None
     )  # the target's embedding is used; free the drafter's copy now
-    target = spec.target or str(Path(spec.model) / "target")
+    target = spec.target or str(Path(spec.model) / TARGET_DIR)
     embed, lm_head = load_target_heads(target, dtype=None)
     heads = Heads(embed.to(spec.device), lm_head.to(spec.device))
     reference = ReferenceDrafter.from_state_dict(

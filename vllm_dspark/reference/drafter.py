@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_dspark.checkpoint.layout import tensor_shapes
+from vllm_dspark.checkpoint.layout import TARGET_DIR, tensor_shapes
 from vllm_dspark.checkpoint.store import (
     load_config,
     load_drafter_state_dict,
@@ -32,12 +32,8 @@ from vllm_dspark.ops.rope import RotaryEmbedding, softmax_scale
 from vllm_dspark.ops.sampling import markov_rollout
 from vllm_dspark.safety import require_finite
 
-# A weight stored narrower than the compute dtype is upcast a slab of output rows at a time into one
-# reused, cache-sized scratch buffer: upcasting whole weights would allocate (and page-fault in) a
-# fresh FP32 copy of every weight on every call, which at the real shapes costs more than the matmuls.
-# 4 Mi elements (16 MiB in FP32) stays cache-friendly for a 7-token block; narrow slabs of a wide weight
-# (context_proj's 35840 inputs) starve the GEMM of output columns, so a slab never has fewer rows than
-# _MIN_SLAB_ROWS.
+# Narrow weights are upcast a slab of rows at a time into one reused, cache-sized scratch buffer (a
+# fresh FP32 copy per call costs more than the matmul); a floor on rows keeps wide weights' GEMMs fed.
 _UPCAST_CHUNK_ELEMENTS = 1 << 22
 _MIN_SLAB_ROWS = 256
 _scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -124,7 +120,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.q_b_proj = Linear(
             c.q_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
         )
-        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_latent_dim)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
         self.kv_b_proj = Linear(
             c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
@@ -377,7 +373,7 @@ class ReferenceDrafter(nn.Module):
         model_dir = Path(model_dir)
         load_config(model_dir)  # a broken drafter directory is the first thing to report
         if target_dir is None:
-            target_dir = model_dir / "target"
+            target_dir = model_dir / TARGET_DIR
             if not target_dir.exists():
                 raise FindingError(
                     Finding(

@@ -73,15 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     if rc:
         return rc
 
-    _step(f"2/5 quantize --quant_format fp8 --output_dir {fp8}")
+    _step(f"2/5 quantize --quant-format fp8 --output-dir {fp8}")
     rc = cli.main(
         [
             "quantize",
-            "--model_dir",
+            "--model-dir",
             str(drafter),
-            "--output_dir",
+            "--output-dir",
             str(fp8),
-            "--quant_format",
+            "--quant-format",
             "fp8",
             "--overwrite",
         ]

@@ -15,10 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
-from vllm_dspark.checkpoint.st_io import save_tensors
+from vllm_dspark.checkpoint.st_io import read_tensors, save_tensors
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, require_finite
 
@@ -83,15 +81,7 @@ def read_inputs(path: str | Path) -> dict[str, torch.Tensor]:
                 "pass a .safetensors file (`--example-inputs FILE` writes a valid one)",
             )
         )
-    try:
-        tensors = load_file(str(path))
-    except SafetensorError as e:
-        raise FindingError(
-            Finding(
-                f"{path} is not a readable safetensors file ({e})",
-                "write it with safetensors.torch.save_file",
-            )
-        ) from None
+    tensors = read_tensors(path)
     missing = [
         name for name, (required, _) in INPUT_TENSORS.items() if required and name not in tensors
     ]
