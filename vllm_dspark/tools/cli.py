@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "measure a quantized drafter's drift from the FP32 reference",
     ),
     "doctor": (
-        "vllm_dspark.doctor",
+        "vllm_dspark.doctor.cli",
         "check a --speculative-config against the drafter and this machine",
     ),
 }
