@@ -11,7 +11,6 @@ tensor name)``, and tensors are generated and written one at a time.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -40,6 +39,7 @@ from vllm_dspark.checkpoint.store import (
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, refuse_nonempty, staged
+from vllm_dspark.tools.cli import ArgumentParser
 
 # Rows are generated in fixed-size slabs, so the values do not depend on memory settings.
 _SLAB_ELEMENTS = 1 << 24
@@ -289,7 +289,7 @@ def make_random_like(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="vllm-dspark make-random",
         description="Write a random K3 DSpark drafter checkpoint in the real on-disk layout: config.json, "
         "BF16 safetensors shards with HF key names and their index, plus the target's shared "

@@ -8,7 +8,6 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 from vllm_dspark.doctor.checks import (
@@ -29,6 +28,7 @@ from vllm_dspark.doctor.facts import (
     vllm_schema,
 )
 from vllm_dspark.findings import Finding, errors, most_severe_first, render_table
+from vllm_dspark.tools.cli import ArgumentParser
 
 
 def _json_arg(text: str) -> Any:
@@ -46,25 +46,8 @@ def _compute_capability(text: str) -> str:
     return text.strip()
 
 
-class _Parser(argparse.ArgumentParser):
-    """Also takes each flag's underscore spelling (``--kv_cache_dtype``), as ``vllm serve`` does."""
-
-    def parse_known_args(
-        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> tuple[argparse.Namespace, list[str]]:
-        args = sys.argv[1:] if args is None else args
-        return super().parse_known_args([_kebab(a) for a in args], namespace)
-
-
-def _kebab(arg: str) -> str:
-    if not arg.startswith("--"):
-        return arg
-    flag, eq, value = arg.partition("=")
-    return flag.replace("_", "-") + eq + value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = ArgumentParser(
         prog="vllm-dspark doctor",
         description="Check a DSpark --speculative-config against the drafter checkpoint, the target and this "
         "machine before the target loads. Engine flags use `vllm serve`'s names; pass the ones you serve with.",

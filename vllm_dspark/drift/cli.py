@@ -17,6 +17,7 @@ from vllm_dspark.checkpoint.layout import FP8_RECIPE
 from vllm_dspark.drift.harness import default_variants
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, staged
+from vllm_dspark.tools.cli import ArgumentParser
 
 DEFAULT_SWEEP: tuple[int, ...] = (
     1 << 10,
@@ -40,7 +41,7 @@ def parse_position(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="vllm-dspark eval",
         description="Measure how far BF16 / quantized builds of a K3 DSpark drafter drift from its FP32 "
         "reference on identical inputs, with 95 % bootstrap CIs. Writes results.json, results.md and "

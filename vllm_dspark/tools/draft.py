@@ -19,6 +19,7 @@ import torch
 from vllm_dspark.checkpoint.st_io import read_tensors, save_tensors
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, require_finite
+from vllm_dspark.tools.cli import ArgumentParser
 
 if TYPE_CHECKING:
     from vllm_dspark.config import K3DSparkConfig
@@ -129,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
         for n, (req, desc) in INPUT_TENSORS.items()
     )
     outputs = "\n".join(f"  {n:<18} {desc}" for n, desc in OUTPUT_TENSORS.items())
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="vllm-dspark draft",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Draft one block per request with the reference (plain PyTorch) K3 DSpark drafter.\n"
