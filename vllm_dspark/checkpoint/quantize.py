@@ -12,8 +12,6 @@ No calibration, and SmoothQuant stays off: why is in the README ("Quantize and c
 
 from __future__ import annotations
 
-import argparse
-import copy
 import json
 import math
 import shutil
@@ -52,6 +50,7 @@ from vllm_dspark.checkpoint.store import (
     validate_tensor_shapes,
 )
 from vllm_dspark.safety import check_output, refuse_nonempty, require_finite, staged
+from vllm_dspark.tools.cli import ArgumentParser
 
 REPORT_NAME = "quantization_report"
 
@@ -382,52 +381,36 @@ def quantize_checkpoint(
     return report
 
 
-class _KebabHelp(argparse.HelpFormatter):
-    """Lists each flag under its kebab-case spelling only; the underscore aliases still parse."""
-
-    def _format_action_invocation(self, action: argparse.Action) -> str:
-        kebab = [s for s in action.option_strings if "_" not in s]
-        if kebab != action.option_strings:
-            action = copy.copy(action)
-            action.option_strings = kebab
-        return super()._format_action_invocation(action)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="vllm-dspark quantize",
         description="Quantize a K3 DSpark drafter checkpoint to a weight-only format, in the "
         "compressed-tensors format vLLM loads. Non-included tensors are copied bit-identical; a report "
         f"({REPORT_NAME}.json/.md) gives params quantized, sizes and weight SNR.",
         epilog='No calibration; SmoothQuant is off on purpose (why: the README, "Quantize and check a '
         'drafter").',
-        formatter_class=_KebabHelp,
     )
-    # Each flag's second spelling is qstream's, kept so existing scripts run; --help hides it.
+    # qstream's underscore spellings (--model_dir) still parse: ArgumentParser takes both.
     parser.add_argument(
         "--model-dir",
-        "--model_dir",
         required=True,
         type=Path,
         help="the BF16 drafter checkpoint directory",
     )
     parser.add_argument(
         "--output-dir",
-        "--output_dir",
         required=True,
         type=Path,
         help="where to write the quantized checkpoint",
     )
     parser.add_argument(
         "--quant-format",
-        "--quant_format",
         required=True,
         choices=formats.names(),
         help="; ".join(fmt.description for fmt in formats.REGISTRY.values()),
     )
     parser.add_argument(
         "--include-layers",
-        "--include_layers",
         nargs="+",
         default=list(FP8_RECIPE),
         metavar="KIND",

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import staged
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -80,8 +81,8 @@ def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt")
     except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
-        raise ValueError(
-            f"{path} is not a readable safetensors file ({e}). Fix: re-copy or re-export it."
+        raise FindingError(
+            Finding(f"{path} is not a readable safetensors file ({e})", "re-copy or re-export it")
         ) from None
 
 

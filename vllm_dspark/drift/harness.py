@@ -49,6 +49,7 @@ from vllm_dspark.drift.regimes import (
     synthetic_aux,
     target_states,
 )
+from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.ops.sampling import markov_rollout
 from vllm_dspark.reference.drafter import ReferenceDrafter
 from vllm_dspark.safety import require_finite, spill_dir
@@ -263,10 +264,12 @@ def check_same_model(
         and not torch.equal(tensor, ours[key].to(tensor.device, tensor.dtype))
     ]
     if differ:
-        raise ValueError(
-            f"variant {name} is not a build of the reference: {len(differ)} unquantized tensor(s) differ "
-            f"from the reference's ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}). Fix: "
-            "quantize the --model checkpoint itself, or pass the --model it was quantized from."
+        raise FindingError(
+            Finding(
+                f"variant {name} is not a build of the reference: {len(differ)} unquantized tensor(s) differ "
+                f"from the reference's ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})",
+                "quantize the --model checkpoint itself, or pass the --model it was quantized from",
+            )
         )
 
 

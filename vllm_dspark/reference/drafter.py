@@ -27,6 +27,7 @@ from vllm_dspark.checkpoint.store import (
     validate_tensor_shapes,
 )
 from vllm_dspark.config import K3DSparkConfig
+from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.ops.rope import RotaryEmbedding, softmax_scale
 from vllm_dspark.ops.sampling import markov_rollout
 from vllm_dspark.safety import require_finite
@@ -332,10 +333,12 @@ class ReferenceDrafter(nn.Module):
         heads_shape = (config.vocab_size, config.hidden_size)
         for name, tensor in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
             if tuple(tensor.shape) != heads_shape:
-                raise ValueError(
-                    f"target {name} has shape {tuple(tensor.shape)}, but the drafter's config needs "
-                    f"{heads_shape} (vocab_size, hidden_size). Fix: pass the target the drafter "
-                    "was trained for."
+                raise FindingError(
+                    Finding(
+                        f"target {name} has shape {tuple(tensor.shape)}, but the drafter's config needs "
+                        f"{heads_shape} (vocab_size, hidden_size)",
+                        "pass the target the drafter was trained for",
+                    )
                 )
         weights["embed_tokens.weight"] = embed_tokens
         weights["lm_head.weight"] = lm_head
@@ -374,9 +377,12 @@ class ReferenceDrafter(nn.Module):
         if target_dir is None:
             target_dir = model_dir / TARGET_DIR
             if not target_dir.exists():
-                raise ValueError(
-                    f"no target given and {target_dir} does not exist. Fix: pass the target model "
-                    "directory (--target), whose embedding and lm_head the drafter shares."
+                raise FindingError(
+                    Finding(
+                        f"no target given and {target_dir} does not exist",
+                        "pass the target model directory (--target), whose embedding and lm_head the "
+                        "drafter shares",
+                    )
                 )
         load_dtype = None if compute_dtype == torch.float32 else compute_dtype
         config, state_dict = load_drafter_state_dict(model_dir, dtype=load_dtype)
@@ -629,9 +635,11 @@ class ReferenceDrafter(nn.Module):
                 f"values from {int(context_positions.min())} to {int(context_positions.max())}."
             )
         if seeds is not None and (seeds.is_floating_point() or seeds.dtype == torch.bool):
-            raise ValueError(
-                f"seeds must be integers (int64), got {seeds.dtype}. Fix: store them as int64; a "
-                "float seed would be truncated silently."
+            raise FindingError(
+                Finding(
+                    f"seeds must be integers (int64), got {seeds.dtype}",
+                    "store them as int64; a float seed would be truncated silently",
+                )
             )
         if tuple(anchor_ids.shape) != (batch,) or anchor_ids.is_floating_point():
             raise ValueError(

@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 from vllm_dspark.checkpoint.layout import module_kind
+from vllm_dspark.tools.cli import ArgumentParser
 
 
 def _step(title: str) -> None:
@@ -40,7 +41,7 @@ def _quant_summary(model) -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m vllm_dspark.tools.demo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_dspark.checkpoint.st_io import read_tensors, save_tensors
+from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, require_finite
+from vllm_dspark.tools.cli import ArgumentParser
 
 if TYPE_CHECKING:
     from vllm_dspark.config import K3DSparkConfig
@@ -74,9 +76,11 @@ def read_inputs(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
-        raise ValueError(
-            f"inputs file {path} {what}. Fix: pass a .safetensors file (`--example-inputs FILE` "
-            "writes a valid one)."
+        raise FindingError(
+            Finding(
+                f"inputs file {path} {what}",
+                "pass a .safetensors file (`--example-inputs FILE` writes a valid one)",
+            )
         )
     tensors = read_tensors(path)
     missing = [
@@ -126,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
         for n, (req, desc) in INPUT_TENSORS.items()
     )
     outputs = "\n".join(f"  {n:<18} {desc}" for n, desc in OUTPUT_TENSORS.items())
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="vllm-dspark draft",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Draft one block per request with the reference (plain PyTorch) K3 DSpark drafter.\n"
@@ -171,8 +175,10 @@ def _write(
     """Save ``tensors`` to ``out`` atomically, never over an input or into a directory."""
     check_output(out, inputs, flag=flag)
     if out.is_dir():
-        raise ValueError(
-            f"{flag} {out} is a directory. Fix: pass a file path, e.g. {out / 'out.safetensors'}."
+        raise FindingError(
+            Finding(
+                f"{flag} {out} is a directory", f"pass a file path, e.g. {out / 'out.safetensors'}"
+            )
         )
     save_tensors(out, tensors)
 

@@ -15,19 +15,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import nn
 
 from vllm_dspark.checkpoint.layout import TARGET_HEADS
 from vllm_dspark.checkpoint.store import load_target_heads, write_target_config
-
-
-def _without_v1_runner_check():
-    from vllm.config import VllmConfig
-
-    return mock.patch.object(VllmConfig, "_validate_v1_model_runner", lambda self: None)
+from vllm_dspark.compat import without_v1_runner_check
 
 
 def engine_config(
@@ -50,7 +44,7 @@ def engine_config(
         tensor_parallel_size=tensor_parallel_size,
         speculative_config={"method": "dspark", "model": str(draft_dir), **speculative},
     )
-    with _without_v1_runner_check():
+    with without_v1_runner_check():
         return args.create_engine_config()
 
 
@@ -125,7 +119,7 @@ def load_with_vllm(
             tensor_parallel_size=tensor_parallel_size,
             **speculative,
         )
-        with set_current_vllm_config(vllm_config), _without_v1_runner_check():
+        with set_current_vllm_config(vllm_config), without_v1_runner_check():
             ensure_single_process_runtime()
             target = TargetHeads(
                 heads_file or draft_dir / TARGET_HEADS, vllm_config.model_config.dtype
