@@ -466,7 +466,9 @@ def write_report(results: dict[str, Any], out: Path) -> list[Path]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from vllm_dspark.tools.cli import ArgumentParser
+
+    parser = ArgumentParser(
         prog="vllm-dspark accept",
         description=__doc__.split("\n\n", 1)[1] if "\n\n" in __doc__ else __doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
