@@ -30,6 +30,17 @@ def test_greedy_accepts_the_matching_prefix():
     assert out.next_token.tolist() == [3, 3]  # the correction at position 2; the bonus
 
 
+def test_an_empty_block_emits_the_target_token():
+    """An adaptive budget of 0 verifies no draft: the target's own token follows."""
+    probs = torch.tensor([[[0.0, 1.0, 0.0]]])
+    none = torch.zeros(1, 0, dtype=torch.long)
+    for out in (
+        greedy_verify(probs, none),
+        block_verify(probs, probs[:, :0], none, torch.ones(1, 0), torch.zeros(1, 3)),
+    ):
+        assert out.num_accepted.tolist() == [0] and out.next_token.tolist() == [1]
+
+
 def test_verify_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match=r"\[B, N \+ 1, V\]"):
         greedy_verify(torch.zeros(1, 3, 5), torch.zeros(1, 3, dtype=torch.long))

@@ -88,16 +88,8 @@ def block_verify(
 
 
 def _check(target: torch.Tensor, drafts: torch.Tensor) -> None:
-    if (
-        drafts.dim() != 2
-        or drafts.shape[1] < 1
-        or target.dim() != 3
-        or target.shape[:2]
-        != (
-            drafts.shape[0],
-            drafts.shape[1] + 1,
-        )
-    ):
+    rows = (drafts.shape[0], drafts.shape[1] + 1) if drafts.dim() == 2 else None
+    if rows is None or target.dim() != 3 or tuple(target.shape[:2]) != rows:
         raise ValueError(
             f"target rows must be [B, N + 1, V] for drafts [B, N] = {list(drafts.shape)}, "
             f"got {list(target.shape)}"
