@@ -75,15 +75,15 @@ def goals(results_dir: Path = RESULTS_DIR) -> list[dict[str, str]]:
         minutes = suite["total_s"] / 60
         goal("the speed suite under 30 minutes in all", f"{minutes:.1f} min", minutes < 30, "all")
     if pair := _load(results_dir, "pair"):
-        rows = {r["variant"]: r for r in pair["rows"]}
-        bf16 = rows["bf16"]["tau"]["value"]
+        formats = {r["variant"]: r for r in pair["rows"]}
+        bf16 = formats["bf16"]["tau"]["value"]
         goal("trained pair: BF16 greedy τ ≥ 2.5", f"{bf16:.2f}", bf16 >= 2.5, "pair")
-        if "fp8" in rows:
-            gap = bf16 - rows["fp8"]["tau"]["value"]
+        if "fp8" in formats:
+            gap = bf16 - formats["fp8"]["tau"]["value"]
             goal("trained pair: FP8 τ within 0.15 of BF16", f"{gap:+.2f}", abs(gap) <= 0.15, "pair")
-        auc = rows["bf16"]["confidence_auc"]["value"]
+        auc = formats["bf16"]["confidence_auc"]["value"]
         goal("trained pair: confidence AUC ≥ 0.7 (BF16)", f"{auc:.3f}", auc >= 0.7, "pair")
-        kept = [ok for r in rows.values() for ok in r["lossless"]]
+        kept = [ok for r in formats.values() for ok in r["lossless"]]
         goal(
             "trained pair: greedy speculation lossless on every prompt and format",
             f"{sum(kept)}/{len(kept)}",
@@ -92,7 +92,7 @@ def goals(results_dir: Path = RESULTS_DIR) -> list[dict[str, str]]:
         )
         minutes = pair["timing_s"]["accept"] / 60
         goal(
-            f"`accept` for {len(rows)} formats ≤ 10 min",
+            f"`accept` for {len(formats)} formats ≤ 10 min",
             f"{minutes:.1f} min",
             minutes <= 10,
             "pair",
