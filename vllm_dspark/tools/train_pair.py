@@ -14,7 +14,6 @@ DSpark recipe (arXiv 2607.05147; github.com/deepseek-ai/DeepSpec), as followed h
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -29,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+
+from vllm_dspark.tools.cli import ArgumentParser
 
 SPECIALS = ("<|endoftext|>", "<|pad|>", "<|mask|>")
 HELDOUT_MODULUS = 10  # sha256(relative path) % 10 == 0 -> held out (about 10 % of files)
@@ -631,7 +632,7 @@ def _readme(log: dict, config, prompts: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="vllm-dspark train-pair",
         description="Train, from scratch on CPU and reproducibly, a small DeepSeek-V3 MLA target (Kimi-K3's "
         "512 + 64 latent) and its K3 DSpark drafter on the Python standard library's source; write both "
