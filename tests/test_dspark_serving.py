@@ -101,10 +101,11 @@ def _near_tie(gaps: list[float]) -> float:
 def _agree(
     tokens: list[int], expected: list[int], top2: list[list[int]], gaps: list[float], tie: float
 ) -> int:
-    """How many leading tokens equal ``expected`` before its first near-tie; raises AssertionError on a
-    difference outside a near-tie (or a token outside the tied two at it)."""
+    """How many leading tokens equal ``expected`` before a near-tie resolved the other way (the two
+    then continue from different tokens); raises AssertionError on a difference outside a near-tie (or
+    a token outside the tied two at it)."""
     for i, (token, want) in enumerate(zip(tokens, expected, strict=True)):
-        if gaps[i] <= tie:
+        if gaps[i] <= tie and token != want:
             assert token in top2[i], f"step {i}: {token} is neither of the near-tied {top2[i]}"
             return i
         assert token == want, f"step {i}: {tokens} != {expected}"
