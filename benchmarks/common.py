@@ -97,9 +97,7 @@ def in_subprocess(argv: Sequence[str]) -> Callable[[], Measurement]:
     """A step run in a fresh interpreter (``python ARGV``): the JSON object its last line prints."""
 
     def run() -> Measurement:
-        out = subprocess.run(
-            [sys.executable, *argv], check=True, capture_output=True, text=True
-        )
+        out = subprocess.run([sys.executable, *argv], check=True, capture_output=True, text=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     return run
