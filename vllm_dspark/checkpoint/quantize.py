@@ -163,14 +163,18 @@ def _read(source: StoredTensor, key: str) -> torch.Tensor:
 
 
 def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
-    """One global scale per fused group (gate/up per layer, q_a/kv_a across layers), for formats with one."""
+    """Each module's global scale, for formats with one: shared by a fused group (gate/up per layer,
+    q_a/kv_a across layers), else the module's own. Computed up front, as chunks cannot see the rest."""
     quantized = {
         item.module.name: item
         for item in items
         if item.fmt and formats.get(item.fmt).has_global_scale
     }
+    groups = list(fused_module_groups(quantized).values())
+    grouped = {m for members in groups for m in members}
+    groups += [[m] for m in quantized if m not in grouped]
     scales = {}
-    for members in fused_module_groups(quantized).values():
+    for members in groups:
         fmt = formats.get(quantized[members[0]].fmt)
         tensors = (_read(quantized[m].stored, quantized[m].key).to(device) for m in members)
         scales.update(dict.fromkeys(members, fmt.shared_global_scale(tensors)))
