@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 # Rows per chunk hold about this many weights: the chunk stays in cache across compressed-tensors'
 # elementwise passes, and the FP4 packer's [rows, K, 8] float scratch stays small.
-_CHUNK_ELEMENTS = 1 << 16
+_CHUNK_ELEMENTS = 1 << 18
 
 
 @dataclass(frozen=True)

@@ -138,13 +138,21 @@ def read_tensor(path: str | Path, key: str) -> torch.Tensor:
         return reader.read(path, key)
 
 
-def read_rows(source: StoredTensor, rows: slice) -> torch.Tensor:
-    """Rows ``rows`` (of the first dimension) of a stored tensor, read from its file with ``pread``:
-    no memory map, so the pages read never count towards this process's resident memory."""
+def read_rows(
+    source: StoredTensor, rows: slice, buffer: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows ``rows`` (of the first dimension) of a stored tensor, read from its file with ``pread``
+    (into the front of ``buffer``, uint8, when given): no memory map, so the pages read never count
+    towards this process's resident memory."""
     n = source.shape[0] if source.shape else 1
-    row_bytes = source.nbytes // max(n, 1)
-    out = torch.empty(row_bytes * (rows.stop - rows.start), dtype=torch.uint8)
-    view, offset = memoryview(out.numpy()), source.offset + rows.start * row_bytes
+    nbytes = source.nbytes // max(n, 1) * (rows.stop - rows.start)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+    out = buffer[:nbytes]
+    view, offset = (
+        memoryview(out.numpy()),
+        source.offset + rows.start * (nbytes // (rows.stop - rows.start)),
+    )
     fd = os.open(source.path, os.O_RDONLY)
     try:
         while view:
