@@ -196,6 +196,7 @@ def _rows(item: _Item) -> list[slice]:
 def _chunk(
     item: _Item,
     rows: slice,
+    src: int,
     fd: int,
     offsets: dict[str, int],
     device: str,
@@ -204,7 +205,7 @@ def _chunk(
     """Read, quantize or check, and write one row chunk of one tensor; its error sums (0 if copied)."""
     if not hasattr(_thread, "buffer"):  # one read buffer per thread: no fresh pages per chunk
         _thread.buffer = torch.empty(_CHUNK_BYTES, dtype=torch.uint8)
-    x = read_rows(item.stored, rows, _thread.buffer)
+    x = read_rows(item.stored, rows, _thread.buffer, src)
     if item.fmt is None:
         # A float sum is finite unless a value is NaN or Inf (or the sum overflows: then look closer),
         # and it is many times faster than isfinite on BF16.
@@ -337,6 +338,11 @@ def _write_quantized(
             shard = stack.enter_context(SafetensorsWriter(staging / shard_name, entries))
             shards.append((shard, shard.claim_rest(), shard_items))
             weight_map.update(dict.fromkeys((e.key for e in entries), shard_name))
+        sources = {}  # one descriptor per input file, so the kernel's readahead sees one stream
+        for path in dict.fromkeys(item.stored.path for item in items):
+            sources[path] = os.open(path, os.O_RDONLY)
+            stack.callback(os.close, sources[path])
+            os.posix_fadvise(sources[path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
         pool = stack.enter_context(ThreadPoolExecutor(workers, thread_name_prefix="quantize"))
         # Unwound first: on error, drop the chunks not started before the writers abort their files.
         stack.callback(pool.shutdown, wait=True, cancel_futures=True)
@@ -344,7 +350,16 @@ def _write_quantized(
             (
                 item,
                 [
-                    pool.submit(_chunk, item, r, shard.fileno(), offsets, device, global_scales)
+                    pool.submit(
+                        _chunk,
+                        item,
+                        r,
+                        sources[item.stored.path],
+                        shard.fileno(),
+                        offsets,
+                        device,
+                        global_scales,
+                    )
                     for r in _rows(item)
                 ],
             )
@@ -415,11 +430,13 @@ def quantize_checkpoint(
     try:
         # Workers split the cores between them instead of each fanning out over all of them.
         torch.set_num_threads(max(1, threads // workers))
-        with staged(output_dir, directory=True) as staging:
+        with staged(output_dir, directory=True) as staging, ThreadPoolExecutor(1) as side:
+            # The other files (the target's heads: GiBs) copy in the kernel meanwhile.
+            others = side.submit(_copy_other_files, model_dir, staging)
             # Process-global: held for the run so no worker's own stance lapses while another's is set.
             with torch.compiler.set_stance("force_eager"):
                 report = _write_quantized(plan, staging, fmt, device, workers, progress)
-            _copy_other_files(model_dir, staging)
+            others.result()
             (staging / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2) + "\n")
             (staging / f"{REPORT_NAME}.md").write_text(_report_markdown(report))
     finally:

@@ -139,21 +139,21 @@ def read_tensor(path: str | Path, key: str) -> torch.Tensor:
 
 
 def read_rows(
-    source: StoredTensor, rows: slice, buffer: torch.Tensor | None = None
+    source: StoredTensor, rows: slice, buffer: torch.Tensor | None = None, fd: int | None = None
 ) -> torch.Tensor:
-    """Rows ``rows`` (of the first dimension) of a stored tensor, read from its file with ``pread``
-    (into the front of ``buffer``, uint8, when given): no memory map, so the pages read never count
+    """Rows ``rows`` (of the first dimension) of a stored tensor, read with ``pread`` from ``fd``
+    (its file, opened by the caller so readahead follows a stream of chunks; else opened here),
+    into the front of ``buffer`` (uint8) when given. No memory map, so the pages read never count
     towards this process's resident memory."""
     n = source.shape[0] if source.shape else 1
-    nbytes = source.nbytes // max(n, 1) * (rows.stop - rows.start)
+    row_bytes = source.nbytes // max(n, 1)
+    nbytes = row_bytes * (rows.stop - rows.start)
     if buffer is None or buffer.numel() < nbytes:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
     out = buffer[:nbytes]
-    view, offset = (
-        memoryview(out.numpy()),
-        source.offset + rows.start * (nbytes // (rows.stop - rows.start)),
-    )
-    fd = os.open(source.path, os.O_RDONLY)
+    view, offset = memoryview(out.numpy()), source.offset + rows.start * row_bytes
+    own = fd is None
+    fd = os.open(source.path, os.O_RDONLY) if own else fd
     try:
         while view:
             got = os.preadv(fd, [view], offset)
@@ -161,7 +161,8 @@ def read_rows(
                 raise OSError(f"{source.path} ended inside a tensor at byte {offset}")
             view, offset = view[got:], offset + got
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
     return out.view(TORCH_DTYPES[source.dtype]).view(rows.stop - rows.start, *source.shape[1:])
 
 
