@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import MIN_PAIRS, meets, paired, spread
+from benchmarks.common import MIN_PAIRS, meets, paired, spread, spread_text
 from benchmarks.registry import BENCHMARKS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SMOKE_ARGS: dict[str, list[str]] = {
     "reference": ["--preset", "tiny", "--pairs", "1", "--warmup", "0", "--context-len", "8"],
-    "fp8-linear": ["--preset", "tiny", "--repeats", "1"],
+    "fp8-linear": ["--preset", "tiny", "--pairs", "1"],
     "quantizer": ["--preset", "tiny", "--pairs", "1", "--warmup", "0"],
     "drift-speed": ["--preset", "tiny", "--blocks", "4"],
     "register": ["--pairs", "1", "--warmup", "0"],
@@ -74,14 +74,18 @@ def check_arithmetic(name: str, result: dict, *, committed: bool = True) -> None
         assert rows
         for row in rows:
             n, k = map(int, row["shape"].split("x"))
-            key = (row["module"], row["tokens"], "bf16")
-            (bf16,) = [r for r in rows if (r["module"], r["tokens"], r["path"]) == key]
-            _close(row["vs bf16"], row["ms"] / bf16["ms"], f"{row['module']} {row['path']} vs bf16")
             _close(
                 row["GB/s"],
                 n * k * 2 / (row["ms"] / 1e3) / 1e9,
                 f"{row['module']} {row['path']} GB/s",
             )
+            if row["path"] == "bf16":
+                assert row["paired"] is None and row["vs bf16"] == "1"
+                continue
+            paired_result = row["paired"]
+            check_paired(paired_result, committed=committed)
+            _close(row["ms"], 1e3 * paired_result["step_seconds"]["median"], "ms")
+            assert row["vs bf16"] == spread_text(paired_result["ratio"], unit="×")
     elif name == "quantizer":
         check_paired(result, committed=committed)
         for r in result["runs"]:
