@@ -11,9 +11,12 @@ paired with a memcpy timed right after it (:func:`benchmarks.common.paired`), sc
 of weights one block reads. (A long ``--context-len`` measures prefill, which is compute-bound: 64
 tokens through context_proj alone are ~33 GFLOP.)
 
-What limits FP32 compute: the BLAS has no BF16 x FP32 GEMM, so each weight slab is upcast into an
-FP32 scratch and multiplied from there: per weight it moves 2 bytes read + 4 written + 4 read
-where BF16 compute moves 2, at 7-8 rows a matrix-vector product that streams memory either way.
+What limits FP32 compute: the BLAS has no BF16 x FP32 GEMM, so each weight slab (16 MiB of FP32,
+past the caches) is upcast into a scratch and multiplied from there: per weight 2 bytes read + 4
+written + 4 read where BF16 compute moves 2, so at 7-8 rows, a memory-bound product, it cannot beat
+about 5x streaming. On a shared machine each of the block's ~2k two-thread OpenMP regions also
+waits whenever the other core is taken (one 14336x7168 FP32 linear: 329 ms on 2 threads, 113 ms on
+1, 100 ms as two single-threaded halves, 48 ms in BF16, measured under load).
 
 Weights are stored BF16 in both runs (the checkpoint's dtype; FP32 compute upcasts them per use),
 so ``weight_bytes`` is the same for both. Run the ``k3`` preset (about 9 GiB resident) under
