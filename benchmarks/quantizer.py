@@ -161,7 +161,7 @@ def run(
         "quantization": report["overall"],
         "check": {
             "ok": check.ok,
-            "problems": check.problems,
+            "problems": [str(p) for p in check.problems],
             "config_groups": check.config_groups,
             "quantized_modules": len(check.quantized_modules),
             "ignored_modules": modules - len(check.quantized_modules),

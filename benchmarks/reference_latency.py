@@ -43,6 +43,7 @@ from benchmarks.common import (
     timed,
     write_result,
 )
+from vllm_dspark.checkpoint.layout import TARGET_DIR
 from vllm_dspark.checkpoint.presets import PRESETS, preset_config
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.reference.drafter import ReferenceDrafter
@@ -92,7 +93,7 @@ def _drafters(
         from vllm_dspark.checkpoint.store import load_drafter_state_dict, load_target_heads
 
         config, tensors = load_drafter_state_dict(model_dir, dtype=torch.bfloat16)
-        embed, lm_head = load_target_heads(model_dir / "target", dtype=torch.bfloat16)
+        embed, lm_head = load_target_heads(model_dir / TARGET_DIR, dtype=torch.bfloat16)
     else:
         from vllm_dspark.checkpoint.make_random import random_drafter_tensors, random_lm_head
 

@@ -86,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from vllm import LLM, SamplingParams
 
-    from vllm_dspark.doctor import machine_facts, recommended_attention_backend
+    from vllm_dspark.doctor.checks import recommended_attention_backend
+    from vllm_dspark.doctor.facts import machine_facts
 
     backend = args.attention_backend or recommended_attention_backend(machine_facts())
     llm = LLM(

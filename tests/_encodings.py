@@ -87,7 +87,7 @@ def broad_targets_overlapping_ignore(config, kinds):
 
 
 def include_layer_suffixes(config, kinds):
-    # As the card's command line writes them (--include_layers mlp.gate_proj ...): no module has these names.
+    # As the card's command line writes them (--include-layers mlp.gate_proj ...): no module has these names.
     return list(kinds), ["lm_head"]
 
 

@@ -188,11 +188,11 @@ def _eval(
 def _quantize(model: Path, tmp: Path, *extra: str, fmt: str = "fp8") -> list[str]:
     return [
         "quantize",
-        "--model_dir",
+        "--model-dir",
         str(model),
-        "--output_dir",
+        "--output-dir",
         str(tmp / "out"),
-        "--quant_format",
+        "--quant-format",
         fmt,
         *extra,
     ]
@@ -287,11 +287,11 @@ for flag in ((), ("--overwrite",)):
         "is the input",
         lambda t, c, f=flag: [
             "quantize",
-            "--model_dir",
+            "--model-dir",
             str(_copy(c["bf16"], t, "m")),
-            "--output_dir",
+            "--output-dir",
             str(t / "in" / "m"),
-            "--quant_format",
+            "--quant-format",
             "fp8",
             *f,
         ],
@@ -302,11 +302,11 @@ for flag in ((), ("--overwrite",)):
         "lies inside the input",
         lambda t, c, f=flag: [
             "quantize",
-            "--model_dir",
+            "--model-dir",
             str(_copy(c["bf16"], t, "m")),
-            "--output_dir",
+            "--output-dir",
             str(t / "in" / "m" / "fp8"),
-            "--quant_format",
+            "--quant-format",
             "fp8",
             *f,
         ],
@@ -317,11 +317,11 @@ for flag in ((), ("--overwrite",)):
         "lies inside the input",
         lambda t, c, f=flag: [
             "quantize",
-            "--model_dir",
+            "--model-dir",
             str(_copy(c["bf16"], t, "m")),
-            "--output_dir",
+            "--output-dir",
             str(t / "in" / "m" / "target"),
-            "--quant_format",
+            "--quant-format",
             "fp8",
             *f,
         ],
@@ -332,11 +332,11 @@ for flag in ((), ("--overwrite",)):
         "contains the input",
         lambda t, c, f=flag: [
             "quantize",
-            "--model_dir",
+            "--model-dir",
             str(_copy(c["bf16"], t, "m")),
-            "--output_dir",
+            "--output-dir",
             str(t / "in"),
-            "--quant_format",
+            "--quant-format",
             "fp8",
             *f,
         ],
@@ -347,11 +347,11 @@ for flag in ((), ("--overwrite",)):
         "lies inside the input",
         lambda t, c, f=flag: [
             "quantize",
-            "--model_dir",
+            "--model-dir",
             str(_copy(c["bf16"], t, "m")),
-            "--output_dir",
+            "--output-dir",
             str(t / "in" / "m" / "config.json"),
-            "--quant_format",
+            "--quant-format",
             "fp8",
             *f,
         ],
@@ -1209,11 +1209,11 @@ def test_debug_shows_the_traceback(
 ) -> None:
     argv = [
         "quantize",
-        "--model_dir",
+        "--model-dir",
         str(tmp_path / "nowhere"),
-        "--output_dir",
+        "--output-dir",
         str(tmp_path / "o"),
-        "--quant_format",
+        "--quant-format",
         "fp8",
     ]
     if debug == "--debug":
@@ -1337,11 +1337,11 @@ def test_interrupted_once_staging_exists(
     elif command == "quantize":
         argv = [
             "quantize",
-            "--model_dir",
+            "--model-dir",
             str(small),
-            "--output_dir",
+            "--output-dir",
             str(out),
-            "--quant_format",
+            "--quant-format",
             "nvfp4",
         ]
     else:

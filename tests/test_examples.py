@@ -25,9 +25,10 @@ from typing import Any
 
 import pytest
 
-from vllm_dspark import doctor
 from vllm_dspark.checkpoint.presets import preset_config_json
-from vllm_dspark.doctor import MachineFacts
+from vllm_dspark.doctor import checks, cli, facts
+from vllm_dspark.doctor.facts import MachineFacts
+from vllm_dspark.findings import errors
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = sorted(EXAMPLES.glob("serve_*.sh"))
@@ -199,7 +200,7 @@ def test_speculative_configs_are_speculative_config_fields() -> None:
 
 @pytest.mark.vllm_api
 def test_recipes_pass_the_doctor_on_their_gpu() -> None:
-    schema = doctor.vllm_schema()
+    schema = facts.vllm_schema()
     drafter = preset_config_json(
         "tiny"
     )  # block_size 7, with a confidence head, like the published drafter
@@ -210,27 +211,27 @@ def test_recipes_pass_the_doctor_on_their_gpu() -> None:
             if "--compilation-config" in argv
             else {}
         )
-        engine = doctor.EngineFacts(
+        engine = facts.EngineFacts(
             kv_cache_dtype=argv[argv.index("--kv-cache-dtype") + 1],
-            cudagraph_mode=doctor.cudagraph_mode_from_compilation_config(cc),
+            cudagraph_mode=facts.cudagraph_mode_from_compilation_config(cc),
         )
         for gpu_name, machine in RECIPE_GPU.items():
-            findings = doctor.diagnose(
+            findings = checks.diagnose(
                 config, drafter=drafter, engine=engine, machine=machine, schema=schema
             )
             if gpu_name == name:
                 assert findings == [], (name, env, findings)
             elif name == "serve_gb300_multinode.sh":  # FLASHINFER_MLA cannot run on an H200
-                assert [f.check for f in doctor.errors(findings)] == ["attention_backend"], (
+                assert [f.where for f in errors(findings)] == ["attention_backend"], (
                     name,
                     gpu_name,
                 )
             else:  # TRITON_MLA runs on any compute capability
-                assert doctor.errors(findings) == [], (name, gpu_name)
+                assert errors(findings) == [], (name, gpu_name)
 
 
 def test_head_node_runs_the_doctor_with_the_serve_config() -> None:
-    parser = doctor.build_parser()
+    parser = cli.build_parser()
     serve = {
         (name, tuple(sorted(env.items()))): argv for name, env, argv in commands(("vllm", "serve"))
     }
@@ -273,15 +274,15 @@ def _load(name: str) -> Any:
 
 def test_offline_quickstart_config_passes_the_doctor() -> None:
     quickstart = _load("offline_quickstart")
-    schema = doctor.vllm_schema()
+    schema = facts.vllm_schema()
     drafter = preset_config_json("tiny")
     for machine, temperature in itertools.product(RECIPE_GPU.values(), (0.0, 1.0)):
-        backend = doctor.recommended_attention_backend(machine)
+        backend = checks.recommended_attention_backend(machine)
         config = quickstart.build_speculative_config(
             "Inferact/Kimi-K3-DSpark", backend, temperature
         )
         assert set(config) <= schema.fields
-        assert doctor.diagnose(config, drafter=drafter, machine=machine, schema=schema) == []
+        assert checks.diagnose(config, drafter=drafter, machine=machine, schema=schema) == []
         assert config["draft_sample_method"] == ("probabilistic" if temperature else "greedy")
 
 

@@ -75,8 +75,7 @@ def test_toy_format_quantize_check_load_eval(
     )
 
     from vllm_dspark.checkpoint.check import check_checkpoint
-    from vllm_dspark.checkpoint.quant_plan import resolve_checkpoint
-    from vllm_dspark.checkpoint.store import load_drafter_state_dict
+    from vllm_dspark.checkpoint.store import load_drafter_state_dict, resolve_checkpoint
     from vllm_dspark.drift.harness import EvalSpec, run
     from vllm_dspark.reference.drafter import ReferenceDrafter
     from vllm_dspark.tools import cli
@@ -86,11 +85,11 @@ def test_toy_format_quantize_check_load_eval(
         cli.main(
             [
                 "quantize",
-                "--model_dir",
+                "--model-dir",
                 str(tiny_checkpoint),
-                "--output_dir",
+                "--output-dir",
                 str(out),
-                "--quant_format",
+                "--quant-format",
                 toy_format.name,
             ]
         )

@@ -177,13 +177,13 @@ def test_format_of_accepts_float_quantized_fp8_and_refuses_pack_quantized() -> N
         (["self_attn.kv_a_proj_with_mqa"], "fused into self_attn.fused_qkv_a_proj"),
         (
             ["mlp.gate", "mlp.up_proj"],
-            r"unknown layer name\(s\) in --include_layers: 'mlp.gate'.*valid ones: context_proj",
+            r"unknown layer name\(s\) in --include-layers: 'mlp.gate'.*valid ones: context_proj",
         ),
         (["input_layernorm"], "'input_layernorm' cannot be quantized.*is a norm"),
         (["embed_tokens"], "'embed_tokens' cannot be quantized.*embedding table"),
         (["markov_head.markov_w2"], "'markov_head.markov_w2' cannot be quantized.*Markov head"),
         (["confidence_head.proj"], "'confidence_head.proj' cannot be quantized.*confidence head"),
-        ([], "--include_layers is empty"),
+        ([], "--include-layers is empty"),
     ],
 )
 def test_include_layers_refusals(kinds: list[str], message: str) -> None:

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The FP8 compressed-tensors drafter in vLLM on CPU: per-layer quant methods, numerics, refusals.
 
-The FP8 checkpoint is made by this project's quantizer (``vllm-dspark quantize --quant_format fp8``,
+The FP8 checkpoint is made by this project's quantizer (``vllm-dspark quantize --quant-format fp8``,
 the published recipe: gate/up/down, o_proj, q_b_proj, context_proj) from the random ``tiny`` drafter,
 and loaded through vLLM's dspark loader as in ``test_model.py`` (same CPU stand-in attention). FP8
 weight-only linears run on :mod:`vllm_dspark.cpu_w8a16`, the plugin's CPU kernel: vLLM has none.
@@ -144,7 +144,6 @@ def test_fp8_served_in_bf16_stays_close_to_the_fp32_reference(
 
 
 def test_cpu_kernel_is_registered_and_refuses_block_scales(served_fp8: Served) -> None:
-    from vllm.model_executor.kernels import linear
     from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
         FP8ScaledMMLinearLayerConfig,
     )
@@ -154,11 +153,12 @@ def test_cpu_kernel_is_registered_and_refuses_block_scales(served_fp8: Served) -
     )
     from vllm.platforms import PlatformEnum
 
+    from vllm_dspark import compat
     from vllm_dspark.cpu_w8a16 import CPUDequantFP8W8A16LinearKernel, install
 
     install()  # idempotent
     assert (
-        linear._POSSIBLE_WFP8A16_KERNELS[PlatformEnum.CPU].count(CPUDequantFP8W8A16LinearKernel)
+        compat.WFP8A16_KERNELS.resolve()[PlatformEnum.CPU].count(CPUDequantFP8W8A16LinearKernel)
         == 1
     )
     block = FP8ScaledMMLinearLayerConfig(

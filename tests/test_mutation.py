@@ -31,8 +31,8 @@ MUTANTS = (
     "vllm_dspark.ops.rope.*",
     "vllm_dspark.ops.sampling.x_markov_rollout__mutmut_*",
     "vllm_dspark.ops.sampling.x_sample_tokens__mutmut_*",
-    "vllm_dspark.doctor.x_check_num_speculative_tokens__mutmut_*",
-    "vllm_dspark.doctor.x__block_size__mutmut_*",
+    "vllm_dspark.doctor.checks.x_check_num_speculative_tokens__mutmut_*",
+    "vllm_dspark.doctor.checks.x__block_size__mutmut_*",
     "vllm_dspark.drift.harness.x_batches__mutmut_*",
 )
 README_FIGURE = re.compile(r"kills \*\*(\d+) of (\d+)\*\* mutants")

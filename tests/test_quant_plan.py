@@ -18,7 +18,6 @@ from _encodings import REFUSED, SERVED, WARNED, encoded
 from _vllm_drafter import load_drafter
 from safetensors.torch import save_file
 
-from vllm_dspark import doctor
 from vllm_dspark.checkpoint import quant_plan
 from vllm_dspark.checkpoint.check import check_checkpoint
 from vllm_dspark.checkpoint.layout import (
@@ -28,7 +27,9 @@ from vllm_dspark.checkpoint.layout import (
     tensor_shapes,
 )
 from vllm_dspark.checkpoint.quantize import quantize_checkpoint
-from vllm_dspark.checkpoint.store import load_config, load_drafter_state_dict
+from vllm_dspark.checkpoint.store import load_config, load_drafter_state_dict, resolve_checkpoint
+from vllm_dspark.doctor import checks
+from vllm_dspark.findings import Finding
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -64,8 +65,8 @@ def _recipe_modules(model_dir: Path) -> set[str]:
     return {s.name for s in checkpoint_modules(load_config(model_dir)) if s.kind in FP8_RECIPE}
 
 
-def _doctor(model_dir: Path) -> list[doctor.Finding]:
-    return doctor.check_checkpoint_findings(model_dir)
+def _doctor(model_dir: Path) -> list[Finding]:
+    return checks.check_checkpoint_findings(model_dir)
 
 
 # ----- served and warned: check, doctor, vLLM -----
@@ -81,9 +82,9 @@ def test_check_and_doctor_pass_every_servable_encoding(encodings, name: str) -> 
     assert not [f for f in findings if f.severity == "error"]
     if name in WARNED:
         (warning,) = report.warnings
-        assert "match no module under compressed-tensors' rules" in warning
-        assert '"mlp.gate_proj" -> "re:.*layers\\\\.\\\\d+\\\\.mlp\\\\.gate_proj$"' in warning
-        assert [f.problem for f in findings] == [warning.partition(" Fix: ")[0].rstrip(".")]
+        assert "match no module under compressed-tensors' rules" in warning.problem
+        assert '"mlp.gate_proj" -> "re:.*layers\\\\.\\\\d+\\\\.mlp\\\\.gate_proj$"' in warning.fix
+        assert [f.problem for f in findings] == [warning.problem]
         assert "mlp.gate_proj" in report.render().split("WARNING: ")[1]
     else:
         assert not report.warnings and not findings
@@ -127,15 +128,14 @@ def test_conflicting_encodings_are_refused_by_check_doctor_and_vllm_alike(
 ) -> None:
     model_dir = encodings("fp8", name)
     with pytest.raises(quant_plan.QuantPlanError) as refused:
-        quant_plan.resolve_checkpoint(model_dir)
-    message = str(refused.value)
+        resolve_checkpoint(model_dir)
+    message, refusal = str(refused.value), refused.value.finding
     assert "\n" not in message and f" {REFUSED[name][1]}" in message and "Fix: " in message
 
-    assert check_checkpoint(model_dir).problems[0] == message
-    problem, _, fix = message.partition(" Fix: ")
+    assert check_checkpoint(model_dir).problems[0] == refusal
     assert [(f.problem, f.fix) for f in _doctor(model_dir) if f.severity == "error"][0] == (
-        problem.rstrip("."),
-        fix,
+        refusal.problem,
+        refusal.fix,
     )
     with pytest.raises(ValueError, match="K3 DSpark drafter") as e:
         load_drafter(tiny_mla_target, model_dir)
@@ -164,9 +164,7 @@ def test_serve_time_hook_refuses_a_conflicting_build_before_the_target_loads(
     )
     with pytest.raises(ValueError, match="vllm_dspark doctor") as e:
         args.create_speculative_config(args.create_model_config(), ParallelConfig())
-    assert check_checkpoint(model_dir).problems[0].partition(" Fix: ")[0].rstrip(".") in str(
-        e.value
-    )
+    assert check_checkpoint(model_dir).problems[0].problem in str(e.value)
     # A servable encoding of the same tensors goes through, warning included.
     ok = EngineArgs(
         model=str(tiny_mla_target),
@@ -208,7 +206,7 @@ def test_4bit_builds_resolve_to_the_recipe_at_vllm_runtime_names(
     assert bool(report.warnings) == (name in WARNED)
     config = load_config(model_dir)
     start = config.target_num_hidden_layers
-    plan = quant_plan.resolve_checkpoint(model_dir)
+    plan = resolve_checkpoint(model_dir)
     quant_config = CompressedTensorsConfig.from_config(
         quant_plan.vllm_quantization_config(plan, config, start_layer_id=start)
     )
@@ -291,7 +289,7 @@ def test_globs_unanchored_regexes_and_suffixes_are_served_with_their_rewrite(
     targets = [t for t in qc["config_groups"]["group_0"]["targets"] if "down_proj" not in t]
     plan = quant_plan.resolve(config, _with_targets(qc, [*targets, entry]), _dtypes(config, recipe))
     assert plan.modules == recipe
-    assert f"{json.dumps(entry)} -> {json.dumps(rewrite)}" in plan.warning
+    assert f"{json.dumps(entry)} -> {json.dumps(rewrite)}" in plan.warning.fix
     # The rewrite is read by compressed-tensors' rules as meant: no warning any more.
     assert (
         quant_plan.resolve(
@@ -410,7 +408,7 @@ def test_stray_lm_head_and_disabled_confidence_head_are_skipped_with_one_warning
     (warning,) = report.warnings
     assert (
         "skipping 3 stored tensor(s) the drafter does not use (confidence_head.proj.bias, "
-        "confidence_head.proj.weight, lm_head.weight)" in warning
+        "confidence_head.proj.weight, lm_head.weight)" in warning.problem
     )
     loaded_config, state_dict = load_drafter_state_dict(model_dir)
     assert set(state_dict) == set(tensor_shapes(loaded_config))

@@ -188,7 +188,7 @@ def _refused(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
         (["self_attn.q_a_proj"], "fused into self_attn.fused_qkv_a_proj"),
         (
             ["mlp.gate", "mlp.up"],
-            "unknown layer name(s) in --include_layers: 'mlp.gate', 'mlp.up'. Layer names are index-agnostic "
+            "unknown layer name(s) in --include-layers: 'mlp.gate', 'mlp.up'. Layer names are index-agnostic "
             f"module kinds; valid ones: {' '.join(QUANTIZABLE_KINDS)}",
         ),
         (["final_norm"], "'final_norm' cannot be quantized"),
@@ -201,13 +201,13 @@ def test_refuses_bad_include_layers(
     err = _refused(
         capsys,
         [
-            "--model_dir",
+            "--model-dir",
             str(drafters["tiny"]),
-            "--output_dir",
+            "--output-dir",
             str(tmp_path / "out"),
-            "--quant_format",
+            "--quant-format",
             "fp8",
-            "--include_layers",
+            "--include-layers",
             *layers,
         ],
     )
@@ -220,11 +220,11 @@ def test_refuses_a_non_empty_output_dir_without_overwrite(drafters, tmp_path, ca
     out_dir.mkdir()
     (out_dir / "notes.txt").write_text("keep me")
     argv = [
-        "--model_dir",
+        "--model-dir",
         str(drafters["tiny"]),
-        "--output_dir",
+        "--output-dir",
         str(out_dir),
-        "--quant_format",
+        "--quant-format",
         "fp8",
     ]
     assert "exists and is not empty. Fix: pass --overwrite" in _refused(capsys, argv)
@@ -237,11 +237,11 @@ def test_refuses_to_write_into_its_input(drafters, capsys) -> None:
     err = _refused(
         capsys,
         [
-            "--model_dir",
+            "--model-dir",
             str(drafters["tiny"]),
-            "--output_dir",
+            "--output-dir",
             str(drafters["tiny"] / "fp8"),
-            "--quant_format",
+            "--quant-format",
             "fp8",
         ],
     )
@@ -260,11 +260,11 @@ def test_refuses_a_truncated_shard(drafters, tmp_path, capsys) -> None:
     err = _refused(
         capsys,
         [
-            "--model_dir",
+            "--model-dir",
             str(model_dir),
-            "--output_dir",
+            "--output-dir",
             str(tmp_path / "out"),
-            "--quant_format",
+            "--quant-format",
             "fp8",
         ],
     )
@@ -278,11 +278,11 @@ def test_refuses_a_corrupt_shard(drafters, tmp_path, capsys) -> None:
     err = _refused(
         capsys,
         [
-            "--model_dir",
+            "--model-dir",
             str(model_dir),
-            "--output_dir",
+            "--output-dir",
             str(tmp_path / "out"),
-            "--quant_format",
+            "--quant-format",
             "fp8",
         ],
     )
@@ -293,11 +293,11 @@ def test_refuses_an_already_quantized_checkpoint(quantized, tmp_path, capsys) ->
     err = _refused(
         capsys,
         [
-            "--model_dir",
+            "--model-dir",
             str(quantized["tiny", "fp8"]),
-            "--output_dir",
+            "--output-dir",
             str(tmp_path / "again"),
-            "--quant_format",
+            "--quant-format",
             "nvfp4",
         ],
     )
@@ -314,11 +314,11 @@ def test_refuses_an_already_quantized_checkpoint(quantized, tmp_path, capsys) ->
     err = _refused(
         capsys,
         [
-            "--model_dir",
+            "--model-dir",
             str(model_dir),
-            "--output_dir",
+            "--output-dir",
             str(tmp_path / "again"),
-            "--quant_format",
+            "--quant-format",
             "fp8",
         ],
     )
@@ -333,11 +333,11 @@ def test_refuses_cuda_without_a_gpu(drafters, tmp_path, capsys) -> None:
     err = _refused(
         capsys,
         [
-            "--model_dir",
+            "--model-dir",
             str(drafters["tiny"]),
-            "--output_dir",
+            "--output-dir",
             str(tmp_path / "out"),
-            "--quant_format",
+            "--quant-format",
             "fp8",
             "--device",
             "cuda",
@@ -350,3 +350,17 @@ def test_help_explains_why_smoothquant_is_off(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "SmoothQuant is off" in " ".join(capsys.readouterr().out.split())
+
+
+def test_qstream_underscore_flags_still_parse_and_help_shows_kebab_case(
+    drafters, tmp_path, capsys
+) -> None:
+    out_dir = tmp_path / "out"
+    argv = ["--model_dir", str(drafters["tiny"]), "--output_dir", str(out_dir)]
+    assert main([*argv, "--quant_format", "fp8", "--include_layers", *FP8_RECIPE]) == 0
+    assert check_checkpoint(out_dir).ok
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert all(f"--{flag}" in help_text for flag in ("model-dir", "output-dir", "quant-format"))
+    assert not any(f"--{flag}" in help_text for flag in ("model_dir", "output_dir", "quant_format"))

@@ -181,14 +181,11 @@ def test_the_cuda_context_path_is_upstreams_code() -> None:
     """On CUDA the plugin binds the in-tree class's context-KV methods (their kernels need a GPU to run)."""
     from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkModel as Upstream
 
-    from vllm_dspark import model
+    from vllm_dspark import compat
 
     fake = types.SimpleNamespace()
-    model._use_upstream_context_kv(
-        fake,
-        types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_batched_tokens=8192)),
-    )
-    for name in model._UPSTREAM_CONTEXT_KV:
+    compat.bind_upstream_context_kv(fake, 8192)
+    for name in compat.UPSTREAM_CONTEXT_KV.members:
         assert getattr(fake, name).__func__ is getattr(Upstream, name)
     assert fake._max_num_context_tokens == 8192
 

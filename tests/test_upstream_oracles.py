@@ -26,10 +26,9 @@ from _vllm_drafter import SKEWED_CONFIG, Served, bind_caches, load_drafter, make
 from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
 from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
-from vllm_dspark.attention import rotate_pe
 from vllm_dspark.checkpoint.presets import preset_config
 from vllm_dspark.cpu_runtime import ensure_single_process_runtime
-from vllm_dspark.ops.rope import RotaryEmbedding, softmax_scale
+from vllm_dspark.ops.rope import RotaryEmbedding, rotate_pe, softmax_scale
 from vllm_dspark.reference.drafter import MultiHeadLatentAttention as ReferenceMLA
 from vllm_dspark.reference.drafter import ReferenceDrafter
 
@@ -154,10 +153,10 @@ def test_vllm_speculator_drafts_what_the_reference_drafts(
     """
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-    from vllm_dspark.tools.vllm_load import _without_v1_runner_check
+    from vllm_dspark.compat import without_v1_runner_check
 
     vllm_config = served.vllm_config
-    with set_current_vllm_config(vllm_config), _without_v1_runner_check():
+    with set_current_vllm_config(vllm_config), without_v1_runner_check():
         speculator = DSparkSpeculator(vllm_config, torch.device("cpu"))
         speculator.model = speculator.load_draft_model(served.target, set())
     assert speculator.draft_logits is None  # greedy drafting

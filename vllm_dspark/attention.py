@@ -29,12 +29,12 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.platforms import current_platform
 from vllm.triton_utils import HAS_TRITON
 
-from vllm_dspark.ops.rope import apply_rotary_interleaved, softmax_scale
+from vllm_dspark.findings import Finding, FindingError
+from vllm_dspark.ops.rope import rotate_pe, softmax_scale
 
 if TYPE_CHECKING:
     from vllm.config import CacheConfig
     from vllm.model_executor.layers.quantization import QuantizationConfig
-    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
     from vllm_dspark.config import K3DSparkConfig
 
@@ -69,19 +69,6 @@ def mla_rope_parameters(config: K3DSparkConfig) -> dict[str, Any]:
     return rope_parameters
 
 
-def rotate_pe(
-    rotary_emb: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor
-) -> torch.Tensor:
-    """GPT-J-rotate ``x [T, heads, rope_dim]`` at ``positions [T]`` with the layer's fp32 cos/sin table.
-
-    The table is the one the GPU layer's fused epilogues read, so context latents written here and
-    query-block latents written by those kernels carry the same rotation.
-    """
-    assert not rotary_emb.is_neox_style, "Kimi-K3 MLA rotates GPT-J style"
-    cos, sin = rotary_emb.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-    return apply_rotary_interleaved(x, cos.unsqueeze(-2), sin.unsqueeze(-2))
-
-
 class TorchLatentAttention(nn.Module):
     """Kimi-K3 MLA (q-LoRA, RoPE, non-causal block) in plain torch over a paged latent cache.
 
@@ -101,10 +88,12 @@ class TorchLatentAttention(nn.Module):
     ) -> None:
         super().__init__()
         if cache_config.cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported by the K3 DSpark drafter's "
-                f"{current_platform.device_name} attention (a plain-torch fallback with a model-dtype cache). "
-                "Fix: use kv_cache_dtype='auto', or serve on a GPU."
+            raise FindingError(
+                Finding(
+                    f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported by the K3 DSpark drafter's "
+                    f"{current_platform.device_name} attention (a plain-torch fallback with a model-dtype cache)",
+                    "use kv_cache_dtype='auto', or serve on a GPU",
+                )
             )
         c = config
         self.layer_name = prefix
@@ -115,7 +104,7 @@ class TorchLatentAttention(nn.Module):
         self.qk_rope_head_dim = c.qk_rope_head_dim
         self.qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
         self.v_head_dim = c.v_head_dim
-        self.head_size = c.kv_lora_rank + c.qk_rope_head_dim
+        self.head_size = c.kv_latent_dim
         self.scale = softmax_scale(self.qk_head_dim, c.rope_parameters)
         self.rotary_emb = get_rope(
             c.qk_rope_head_dim,

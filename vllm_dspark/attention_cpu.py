@@ -1,31 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 """The K3 DSpark draft layers' attention inside a CPU engine: the GPU layer on TRITON_MLA's metadata.
 
-vLLM's ``dspark`` speculator runs only in Model Runner V2, which on CPU needs Triton (under its
-interpreter, there being no triton-cpu wheel). Where it runs, the draft layers are the same
-:class:`~vllm_dspark.attention_cuda.K3DSparkMLA` as on GPUs — same submodules, KV-cache spec,
-absorbed decode path and weight post-processing — with three CPU substitutions:
-
-- the backend is :class:`TorchMLABackend`: TRITON_MLA's metadata builder, which flattens the
-  non-causal draft block into decode rows (vLLM's CPU platform would pick CPU_MLA/AMX_MLA, which
-  cannot take it), with the decode attention in torch (TRITON_MLA's own kernel runs under the
-  interpreter too, but at ~2 s per layer and step); it shares the target's KV-cache group, since
-  only the spec and block size must agree across a group;
-- the decode epilogue (RoPE, query concat, latent insert) is torch instead of a fused CUDA op;
-- ``kv_b_proj`` keeps its weight (vLLM's CPU linears repack and drop it), as vLLM's own MLA layer
-  arranges on CPU, so the decode path can absorb it.
+``dspark`` runs only in Model Runner V2, which on CPU needs Triton (under its interpreter). There the
+draft layers are the GPU's :class:`~vllm_dspark.attention_cuda.K3DSparkMLA` with three substitutions:
+the backend is :class:`TorchMLABackend` (TRITON_MLA's metadata builder, which flattens the
+non-causal block into decode rows, with decode attention in torch; vLLM's CPU MLA backends cannot
+take the block), the decode epilogue (RoPE, query concat, latent insert) is torch instead of a fused
+CUDA op, and ``kv_b_proj`` keeps its weight (vLLM's CPU linears drop it) so decode can absorb it.
 """
 
 from __future__ import annotations
 
-from unittest import mock
-
 import torch
-import vllm.models.kimi_k3.nvidia.mla as k3_mla
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAImpl
 
-from vllm_dspark.attention import rotate_pe
 from vllm_dspark.attention_cuda import K3DSparkMLA
+from vllm_dspark.compat import k3_mla_backend, keep_weight_on_cpu
+from vllm_dspark.findings import Finding, FindingError
+from vllm_dspark.ops.rope import rotate_pe
 
 
 class TorchMLAImpl(TritonMLAImpl):
@@ -84,15 +76,17 @@ class K3DSparkCPUMLA(K3DSparkMLA):
     def __init__(self, **kwargs) -> None:
         cache_config = kwargs.get("cache_config")
         if cache_config is not None and cache_config.cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported by the K3 DSpark drafter on CPU "
-                "(its latent insert is written for a model-dtype cache). Fix: use kv_cache_dtype='auto', "
-                "or serve on a GPU."
+            raise FindingError(
+                Finding(
+                    f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported by the K3 DSpark drafter on CPU "
+                    "(its latent insert is written for a model-dtype cache)",
+                    "use kv_cache_dtype='auto', or serve on a GPU",
+                )
             )
         # The layer asks the platform for its backend, which on CPU is one without non-causal blocks.
-        with mock.patch.object(k3_mla, "get_attn_backend", lambda *args, **kwargs: TorchMLABackend):
+        with k3_mla_backend(TorchMLABackend):
             super().__init__(**kwargs)
-        self.kv_b_proj._cpu_skip_gemm_dispatch = True
+        keep_weight_on_cpu(self.kv_b_proj)
 
     def store_latent(
         self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor

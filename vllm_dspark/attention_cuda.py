@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
+from vllm_dspark.compat import kv_cache_scale
+
 
 class K3DSparkMLA(MultiHeadLatentAttention):
     """``MultiHeadLatentAttention`` plus the context-latent insert the drafter's precompute needs."""
@@ -22,8 +24,13 @@ class K3DSparkMLA(MultiHeadLatentAttention):
         """Write ``[kv_c_normed | k_pe]`` (``[T, kv_lora_rank]``, ``[T, 1, rope]``) at ``slot_mapping [T]``.
 
         Through the backend's own insert, so the cache dtype (bf16 or fp8 with this layer's
-        ``_k_scale``) and page layout are whatever the attention kernels read.
+        KV-cache scale) and page layout are whatever the attention kernels read.
         """
         self.impl.do_kv_cache_update(
-            kv_c_normed, k_pe, self.kv_cache, slot_mapping, self.kv_cache_dtype, self._k_scale
+            kv_c_normed,
+            k_pe,
+            self.kv_cache,
+            slot_mapping,
+            self.kv_cache_dtype,
+            kv_cache_scale(self),
         )

@@ -6,17 +6,20 @@
 shares its pages. The class derives from ``DeepseekV3Config`` so that vLLM's generic config logic
 (head sizes, MLA detection, dense-vs-MoE) sees the fields it expects.
 
-Every field the model cannot honour is refused here, at config load, with a ``ValueError`` that
-names the field and the fix, instead of surfacing later as a shape error deep inside torch.
+Every field the model cannot honour is refused here, at config load, with a
+:class:`~vllm_dspark.findings.FindingError` (a ``ValueError``) naming the field and the fix,
+instead of surfacing later as a shape error deep inside torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from huggingface_hub.errors import StrictDataclassError
 from transformers import DeepseekV3Config
+
+from vllm_dspark.findings import Finding, FindingError
 
 # The latent the Kimi-K3 target stores per token in its MLA KV pages: kv_lora_rank 512 + rope 64.
 K3_KV_LATENT_DIM = 576
@@ -80,10 +83,10 @@ class K3DSparkConfig(DeepseekV3Config):
         try:
             super().__init__(**kwargs)
         except StrictDataclassError as e:
-            # transformers' strict dataclass validation: re-raise as the ValueError callers expect,
+            # transformers' strict dataclass validation: re-raise as the finding callers expect,
             # keeping its message, which names the field and the type it wanted.
-            raise ValueError(
-                f"K3DSparkConfig: {e}. Fix: correct that field in config.json."
+            raise FindingError(
+                Finding(str(e), "correct that field in config.json", "K3DSparkConfig")
             ) from None
         self.rope_theta = float(self.rope_parameters["rope_theta"])
         if getattr(self, "draft_vocab_size", None) is None:
@@ -108,11 +111,6 @@ class K3DSparkConfig(DeepseekV3Config):
         """Elements per token in the MLA latent cache: kv_lora_rank + qk_rope_head_dim."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    @property
-    def num_query_tokens(self) -> int:
-        """Positions drafted in one parallel pass: the anchor plus block_size - 1 mask tokens."""
-        return self.block_size
-
 
 def _normalise_rope(rope: Mapping[str, Any] | None, rope_theta: float) -> dict[str, Any]:
     """Fill rope defaults and refuse an incomplete YaRN block before transformers sees it.
@@ -122,36 +120,51 @@ def _normalise_rope(rope: Mapping[str, Any] | None, rope_theta: float) -> dict[s
     if rope is None:
         return {"rope_type": "default", "rope_theta": float(rope_theta)}
     if not isinstance(rope, Mapping):
-        raise ValueError(f"rope_parameters must be a JSON object, got {type(rope).__name__}.")
+        _fail(
+            "rope_parameters",
+            f"must be a JSON object, got {type(rope).__name__}",
+            'use {"rope_type": "yarn", ...} as the published checkpoint does, or leave it out',
+            prefix="",
+        )
     rope = dict(rope)
     rope.setdefault("rope_type", rope.pop("type", "default"))
     rope.setdefault("rope_theta", float(rope_theta))
     if rope["rope_type"] == "yarn":
         missing = [k for k in YARN_REQUIRED_KEYS if rope.get(k) is None]
         if missing:
-            raise ValueError(
-                f"rope_parameters: YaRN needs {', '.join(missing)}; the Kimi-K3 drafter uses "
-                '{"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 32768, '
-                '"rope_theta": 50000.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}.'
+            _fail(
+                "rope_parameters",
+                f"YaRN needs {', '.join(missing)}",
+                'the Kimi-K3 drafter uses {"rope_type": "yarn", "factor": 32.0, '
+                '"original_max_position_embeddings": 32768, "rope_theta": 50000.0, "beta_fast": 32, '
+                '"beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}',
+                prefix="",
             )
         if float(rope["factor"]) < 1.0:
-            raise ValueError(f"rope_parameters.factor must be >= 1 for YaRN, got {rope['factor']}.")
+            _fail(
+                "rope_parameters.factor",
+                f"must be >= 1 for YaRN, got {rope['factor']}",
+                "use the factor the checkpoint was trained with (32.0 for Kimi-K3)",
+                prefix="",
+            )
         for key, value in YARN_DEFAULTS.items():
             rope.setdefault(key, value)
     elif rope["rope_type"] != "default":
-        raise ValueError(
-            f"rope_parameters.rope_type={rope['rope_type']!r} is not supported by the K3 DSpark drafter; "
-            "use 'yarn' (as the published checkpoint does) or 'default'."
+        _fail(
+            "rope_parameters.rope_type",
+            f"{rope['rope_type']!r} is not supported by the K3 DSpark drafter",
+            "use 'yarn' (as the published checkpoint does) or 'default'",
+            prefix="",
         )
     return rope
 
 
-def _fail(field: str, problem: str, fix: str) -> None:
-    raise ValueError(f"K3DSparkConfig.{field}: {problem}. Fix: {fix}.")
+def _fail(field: str, problem: str, fix: str, *, prefix: str = "K3DSparkConfig.") -> NoReturn:
+    raise FindingError(Finding(problem, fix, f"{prefix}{field}"))
 
 
 def validate_config(c: K3DSparkConfig) -> None:
-    """Raise ``ValueError`` naming the field and the fix for anything the drafter cannot honour."""
+    """Raise :class:`FindingError` naming the field and the fix for anything the drafter cannot honour."""
     for field in ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor"):
         if getattr(c, field, False):
             _fail(
@@ -322,23 +335,28 @@ def check_identity(raw: Mapping[str, Any]) -> None:
     """Refuse a config.json that is not a K3 DSpark drafter's, or that leaves a required field out."""
     architectures, model_type = raw.get("architectures"), raw.get("model_type")
     if architectures != [ARCHITECTURE] or model_type != K3DSparkConfig.model_type:
-        raise ValueError(
-            f"architectures {architectures!r} and model_type {model_type!r} are not a K3 DSpark drafter's "
-            f'(["{ARCHITECTURE}"] and "{K3DSparkConfig.model_type}"). Fix: point at a K3 DSpark drafter '
-            "checkpoint, or correct those fields."
+        raise FindingError(
+            Finding(
+                f"architectures {architectures!r} and model_type {model_type!r} are not a K3 DSpark "
+                f'drafter\'s (["{ARCHITECTURE}"] and "{K3DSparkConfig.model_type}")',
+                "point at a K3 DSpark drafter checkpoint, or correct those fields",
+            )
         )
     missing = [field for field in REQUIRED_FIELDS if raw.get(field) is None]
     if missing:
-        raise ValueError(
-            f"required field(s) {', '.join(missing)} missing; they are never defaulted. Fix: use the "
-            "config.json the checkpoint was written with."
+        raise FindingError(
+            Finding(
+                f"required field(s) {', '.join(missing)} missing; they are never defaulted",
+                "use the config.json the checkpoint was written with",
+            )
         )
 
 
 def register_config() -> None:
     """Make ``k3_dspark`` resolve to this class in vLLM's config registry and in AutoConfig."""
     from transformers import AutoConfig
-    from vllm.transformers_utils import config as vllm_config
 
-    vllm_config._CONFIG_REGISTRY["k3_dspark"] = K3DSparkConfig
+    from vllm_dspark.compat import register_config_class
+
+    register_config_class("k3_dspark", K3DSparkConfig)
     AutoConfig.register("k3_dspark", K3DSparkConfig, exist_ok=True)

@@ -18,9 +18,10 @@ def ensure_single_process_runtime() -> None:
         model_parallel_is_initialized,
     )
     from vllm.utils.network_utils import get_open_port
-    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
-    _set_torch_accelerator_to_noop()
+    from vllm_dspark.compat import set_torch_accelerator_to_noop
+
+    set_torch_accelerator_to_noop()
     if not model_parallel_is_initialized():
         init_distributed_environment(
             world_size=1,

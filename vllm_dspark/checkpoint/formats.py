@@ -76,7 +76,7 @@ _WEIGHT_FIELDS = (
 class QuantFormat:
     """One weight-only format: its compressed-tensors scheme and the tensors it stores per module."""
 
-    name: str  # the --quant_format value and the eval variant name
+    name: str  # the --quant-format value and the eval variant name
     preset: (
         str  # the compressed-tensors preset whose weight args it takes (input activations dropped)
     )
@@ -460,11 +460,11 @@ def validate_include_kinds(
     g = get(fmt).group_size
     kinds = list(dict.fromkeys(include_kinds))
     if not kinds:
-        raise ValueError(f"--include_layers is empty; choose from: {' '.join(QUANTIZABLE_KINDS)}")
+        raise ValueError(f"--include-layers is empty; choose from: {' '.join(QUANTIZABLE_KINDS)}")
     unknown = [k for k in kinds if k not in LAYER_KINDS and k not in GLOBAL_KINDS]
     if unknown:
         raise ValueError(
-            f"unknown layer name(s) in --include_layers: {', '.join(map(repr, unknown))}. Layer names are "
+            f"unknown layer name(s) in --include-layers: {', '.join(map(repr, unknown))}. Layer names are "
             f"index-agnostic module kinds; valid ones: {' '.join(QUANTIZABLE_KINDS)}"
         )
     specs = {s.kind: s for s in checkpoint_modules(config)}

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 
 Role = Literal["linear", "norm", "embedding"]
 
+# Where a drafter directory keeps the target's shared embedding and lm_head (make-random writes it).
+TARGET_DIR = "target"
+TARGET_HEADS = f"{TARGET_DIR}/model.safetensors"
+
 # Modules inside every ``layers.{i}`` block, in checkpoint order.
 LAYER_KINDS: tuple[str, ...] = (
     "input_layernorm",
@@ -86,7 +90,7 @@ FUSED_GROUPS: dict[str, tuple[str, ...]] = {
 # this fused group spans all layers: one NVFP4 global scale for every layer's q_a and kv_a.
 _CROSS_LAYER_FUSED = "self_attn.fused_qkv_a_proj"
 
-# The modules quantized in the published FP8 build (its --include_layers).
+# The modules quantized in the published FP8 build (its --include-layers).
 FP8_RECIPE: tuple[str, ...] = (
     "mlp.gate_proj",
     "mlp.up_proj",
@@ -156,7 +160,7 @@ def checkpoint_modules(config: "K3DSparkConfig") -> list[ModuleSpec]:
     c = config
     h = c.hidden_size
     heads = c.num_attention_heads
-    latent = c.kv_lora_rank + c.qk_rope_head_dim
+    latent = c.kv_latent_dim
     per_layer: dict[str, tuple[Role, tuple[int, ...]]] = {
         "input_layernorm": ("norm", (h,)),
         "self_attn.q_a_proj": ("linear", (c.q_lora_rank, h)),

@@ -11,7 +11,6 @@ tensor name)``, and tensors are generated and written one at a time.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -22,13 +21,25 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_dspark.checkpoint.layout import checkpoint_modules, tensor_shapes
+from vllm_dspark.checkpoint.layout import (
+    TARGET_DIR,
+    TARGET_HEADS,
+    checkpoint_modules,
+    tensor_shapes,
+)
 from vllm_dspark.checkpoint.presets import PRESETS, preset_config_json
 from vllm_dspark.checkpoint.st_io import Entry, SafetensorsWriter, save_tensors
-from vllm_dspark.checkpoint.store import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY, save_drafter
+from vllm_dspark.checkpoint.store import (
+    TARGET_EMBED_KEY,
+    TARGET_LM_HEAD_KEY,
+    load_target_heads,
+    save_drafter,
+    write_target_config,
+)
 from vllm_dspark.config import K3DSparkConfig
+from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, refuse_nonempty, staged
-from vllm_dspark.tools.vllm_load import write_target_config
+from vllm_dspark.tools.cli import ArgumentParser
 
 # Rows are generated in fixed-size slabs, so the values do not depend on memory settings.
 _SLAB_ELEMENTS = 1 << 24
@@ -114,7 +125,7 @@ def make_random(
     """
     out_dir = Path(out_dir)
     if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an integer, got {seed!r}. Fix: pass a whole number.")
+        raise FindingError(Finding(f"seed must be an integer, got {seed!r}", "pass a whole number"))
     refuse_nonempty(out_dir, overwrite=overwrite, flag="--out")
     with staged(out_dir, directory=True) as staging:
         _write_random(staging, preset, seed=seed, progress=progress)
@@ -137,7 +148,7 @@ def _write_random(out_dir: Path, preset: str, *, seed: int, progress: bool) -> N
         disable=not progress,
     )
 
-    target_dir = out_dir / "target"
+    target_dir = out_dir / TARGET_DIR
     entries = _bf16_entries(config)
     heads = [
         Entry.planned(key, torch.bfloat16, (config.vocab_size, config.hidden_size))
@@ -174,9 +185,11 @@ def aux_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
     """``count`` target layers spread from layer 1 to the third-last (``[1, 2, 4, 5, 6]`` for 8 layers)."""
     count = min(count, num_target_layers - 2)
     if count < 1:
-        raise ValueError(
-            f"a {num_target_layers}-layer target has no layers to tap for aux hidden states. "
-            "Fix: use a target with at least 3 layers."
+        raise FindingError(
+            Finding(
+                f"a {num_target_layers}-layer target has no layers to tap for aux hidden states",
+                "use a target with at least 3 layers",
+            )
         )
     if count == 1:
         return [1]
@@ -245,11 +258,9 @@ def make_random_like(
     import json
     import shutil
 
-    from vllm_dspark.checkpoint.store import load_target_heads
-
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an integer, got {seed!r}. Fix: pass a whole number.")
+        raise FindingError(Finding(f"seed must be an integer, got {seed!r}", "pass a whole number"))
     target_config = json.loads((target_dir / "config.json").read_text())
     config_json = like_config_json(target_config, num_layers=num_layers)
     config = K3DSparkConfig(**config_json)
@@ -272,13 +283,13 @@ def make_random_like(
     with staged(out_dir, directory=True) as staging:
         save_drafter(staging, config_json, tensors, entries=_bf16_entries(config))
         heads = {TARGET_EMBED_KEY: embed_tokens, TARGET_LM_HEAD_KEY: lm_head}
-        save_tensors(staging / "target" / "model.safetensors", heads)
-        shutil.copyfile(target_dir / "config.json", staging / "target" / "config.json")
+        save_tensors(staging / TARGET_HEADS, heads)
+        shutil.copyfile(target_dir / "config.json", staging / TARGET_DIR / "config.json")
     return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="vllm-dspark make-random",
         description="Write a random K3 DSpark drafter checkpoint in the real on-disk layout: config.json, "
         "BF16 safetensors shards with HF key names and their index, plus the target's shared "

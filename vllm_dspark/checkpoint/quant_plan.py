@@ -18,7 +18,6 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +34,7 @@ from vllm_dspark.checkpoint.layout import (
     runtime_name,
     why_unquantized,
 )
+from vllm_dspark.findings import Finding, FindingError
 
 if TYPE_CHECKING:
     from vllm_dspark.config import K3DSparkConfig
@@ -52,8 +52,8 @@ _GLOB_CHARS = frozenset("*?[")
 _KV_A_KIND = "self_attn.kv_a_proj_with_mqa"
 
 
-class QuantPlanError(ValueError):
-    """quantization_config and the stored tensors conflict; the message names the module and the fix."""
+class QuantPlanError(FindingError):
+    """quantization_config and the stored tensors conflict; the finding names the module and the fix."""
 
 
 @dataclass(frozen=True)
@@ -61,20 +61,25 @@ class QuantPlan:
     """``modules``: checkpoint module -> format of every quantized module (the rest are stored BF16)."""
 
     modules: dict[str, str] = field(default_factory=dict)
-    warning: str | None = (
-        None  # set when the config is outside the spec but the tensors are unambiguous
-    )
+    # Set when the config is outside the spec but the tensors are unambiguous.
+    warning: Finding | None = None
     stray: tuple[str, ...] = ()  # stored tensors the served model drops (see :func:`is_stray`)
 
-    def stray_warning(self) -> str | None:
+    def stray_warning(self) -> Finding | None:
         """The one warning about :attr:`stray` tensors, or None."""
         if not self.stray:
             return None
-        return (
-            f"skipping {len(self.stray)} stored tensor(s) the drafter does not use ({', '.join(self.stray[:4])}"
-            f"{', ...' if len(self.stray) > 4 else ''}): the lm_head is the target's, and a confidence head "
-            "is only built with enable_confidence_head"
+        return Finding(
+            f"skipping {len(self.stray)} stored tensor(s) the drafter does not use "
+            f"({', '.join(self.stray[:4])}{', ...' if len(self.stray) > 4 else ''}): the lm_head is "
+            "the target's, and a confidence head is only built with enable_confidence_head",
+            "nothing to do; remove them to save space",
+            severity="warning",
         )
+
+    def warnings(self) -> list[Finding]:
+        """:attr:`warning` and :meth:`stray_warning`, where set."""
+        return [w for w in (self.warning, self.stray_warning()) if w is not None]
 
 
 def is_stray(key: str, config: K3DSparkConfig) -> bool:
@@ -119,9 +124,11 @@ def _check_storage(specs: list[ModuleSpec], stored: dict[str, _Stored]) -> None:
         fmt = stored[spec.name]
         if fmt not in (None, "?") and spec.kind not in QUANTIZABLE_KINDS:
             raise QuantPlanError(
-                f"{spec.name} is stored as {_shown(fmt)}, but {why_unquantized(spec.kind)}, so the "
-                f"drafter runs it unquantized. Fix: re-quantize the BF16 checkpoint with "
-                "`vllm-dspark quantize`, which keeps it BF16"
+                Finding(
+                    f"{spec.name} is stored as {_shown(fmt)}, but {why_unquantized(spec.kind)}, so "
+                    "the drafter runs it unquantized",
+                    "re-quantize the BF16 checkpoint with `vllm-dspark quantize`, which keeps it BF16",
+                )
             )
     for fused, members in fused_module_groups(s.name for s in specs).items():
         found = {m: stored[m] for m in members if stored[m] != "?"}
@@ -130,9 +137,13 @@ def _check_storage(specs: list[ModuleSpec], stored: dict[str, _Stored]) -> None:
             stacked = fused.startswith("self_attn.")
             why = " (context_kv_proj stacks every layer's kv_a_proj_with_mqa)" if stacked else ""
             raise QuantPlanError(
-                f"{fused}: the shards store {split}, but vLLM fuses them into one layer, which takes "
-                f"one scheme{why}. Fix: re-quantize the BF16 checkpoint with `vllm-dspark quantize`, "
-                "which quantizes all of them or none"
+                Finding(
+                    f"the shards store {split}, but vLLM fuses them into one layer, which takes "
+                    f"one scheme{why}",
+                    "re-quantize the BF16 checkpoint with `vllm-dspark quantize`, which quantizes "
+                    "all of them or none",
+                    fused,
+                )
             )
 
 
@@ -197,7 +208,14 @@ class _Config:
             group_formats = formats.group_formats(dict(quantization_config))
             qc = formats.parse_quantization_config(dict(quantization_config))
         except ValueError as e:
-            raise QuantPlanError(f"quantization_config: {e}") from None
+            raise QuantPlanError(
+                Finding(
+                    str(e),
+                    "write it as `vllm-dspark quantize` does: compressed-tensors, one weight-only "
+                    "config group per registered format",
+                    "quantization_config",
+                )
+            ) from None
         targets = [
             (t, group_formats[g]) for g, scheme in qc.config_groups.items() for t in scheme.targets
         ]
@@ -236,24 +254,28 @@ class _Config:
         return list(entries)
 
 
-def _disagreement(spec: ModuleSpec, stored: str | None, said: str | None, why: str) -> str:
+def _disagreement(spec: ModuleSpec, stored: str | None, said: str | None, why: str) -> Finding:
     """The conflict between ``stored`` (:func:`_shown`) and what the config ``said``, with its fix."""
     if stored is None:
         if spec.kind not in QUANTIZABLE_KINDS:
-            return (
-                f"{spec.name}: quantization_config quantizes it as {said} ({why}), but {why_unquantized(spec.kind)}"
-                f", so it is stored BF16 and must stay so. Fix: add {spec.name!r} to quantization_config's ignore"
+            return Finding(
+                f"{spec.name}: quantization_config quantizes it as {said} ({why}), but "
+                f"{why_unquantized(spec.kind)}, so it is stored BF16 and must stay so",
+                f"add {spec.name!r} to quantization_config's ignore",
             )
-        return (
-            f"{spec.name} is stored BF16, but quantization_config quantizes it as {said} ({why}). Fix: add "
-            f"{spec.name!r} to its ignore list, or {_FIX_SHARDS}"
+        return Finding(
+            f"{spec.name} is stored BF16, but quantization_config quantizes it as {said} ({why})",
+            f"add {spec.name!r} to its ignore list, or {_FIX_SHARDS}",
         )
     if said is None:
-        return (
-            f"{spec.name} is stored as {stored}, but quantization_config leaves it unquantized ({why}). Fix: "
-            f"{_FIX_SHARDS}"
+        return Finding(
+            f"{spec.name} is stored as {stored}, but quantization_config leaves it unquantized ({why})",
+            _FIX_SHARDS,
         )
-    return f"{spec.name} is stored as {stored}, but quantization_config says {said} ({why}). Fix: {_FIX_SHARDS}"
+    return Finding(
+        f"{spec.name} is stored as {stored}, but quantization_config says {said} ({why})",
+        _FIX_SHARDS,
+    )
 
 
 def resolve(
@@ -273,15 +295,18 @@ def resolve(
         if quantized:
             name, fmt = next(iter(quantized.items()))
             raise QuantPlanError(
-                f"{name} is stored as {_shown(fmt)} ({len(quantized)} quantized modules), but "
-                f"config.json has no quantization_config. Fix: {_FIX_SHARDS}"
+                Finding(
+                    f"{name} is stored as {_shown(fmt)} ({len(quantized)} quantized modules), but "
+                    "config.json has no quantization_config",
+                    _FIX_SHARDS,
+                )
             )
         return QuantPlan({}, stray=stray)
 
     parsed = _Config.parse(quantization_config)
     start = getattr(config, "target_num_hidden_layers", None)
 
-    def reading(lenient: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    def reading(lenient: Mapping[str, str]) -> tuple[dict[str, str], list[Finding]]:
         """The plan as the config reads (``lenient`` entries as regexes), and its conflicts with the tensors."""
         said = parsed.plan(specs, start, lenient)
         conflicts = [
@@ -307,16 +332,20 @@ def resolve(
             listed = ", ".join(
                 f"{json.dumps(e)} -> {json.dumps(rewrite)}" for e, rewrite in used.items()
             )
-            warning = (
-                f"quantization_config has entries that match no module under compressed-tensors' rules "
-                f"(exact module names or 're:' regexes); read as suffixes or globs they describe the stored "
-                f"tensors, so the drafter is served as stored. Fix: rewrite them: {listed}"
+            warning = Finding(
+                "quantization_config has entries that match no module under compressed-tensors' "
+                "rules (exact module names or 're:' regexes); read as suffixes or globs they "
+                "describe the stored tensors, so the drafter is served as stored",
+                f"rewrite them: {listed}",
+                severity="warning",
             )
             return QuantPlan(modules, warning=warning, stray=stray)
     more = f" (and {len(strict) - 1} more module(s))" if len(strict) > 1 else ""
-    first, _, fix = strict[0].partition(" Fix: ")
     raise QuantPlanError(
-        f"quantization_config and the stored tensors disagree: {first.rstrip('.')}{more}. Fix: {fix}"
+        Finding(
+            f"quantization_config and the stored tensors disagree: {strict[0].problem}{more}",
+            strict[0].fix,
+        )
     )
 
 
@@ -330,19 +359,6 @@ def declared(config: K3DSparkConfig, quantization_config: Mapping[str, Any]) -> 
         checkpoint_modules(config), getattr(config, "target_num_hidden_layers", None), {}
     )
     return {name: fmt for name, (fmt, _) in said.items() if fmt is not None}
-
-
-def resolve_checkpoint(model_dir: str | Path) -> QuantPlan:
-    """:func:`resolve` for a drafter directory: its config.json and its shard headers."""
-    from vllm_dspark.checkpoint.store import load_config, read_config_json, stored_tensors
-
-    model_dir = Path(model_dir)
-    config = load_config(model_dir)
-    return resolve(
-        config,
-        read_config_json(model_dir).get("quantization_config"),
-        {key: t.dtype for key, t in stored_tensors(model_dir).items()},
-    )
 
 
 def vllm_quantization_config(

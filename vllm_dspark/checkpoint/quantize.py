@@ -7,12 +7,11 @@ and config.json gains one ``quantization_config`` with index-agnostic ``re:`` ta
 renumbers the draft layers after the target's). Tensors stream through in row chunks on
 ``--workers`` threads (default: one per core), so peak memory stays at a few chunks. A report
 (``quantization_report.json`` and ``.md``) gives params, sizes and weight SNR per module.
-No calibration; why SmoothQuant stays off is said once, in ``--help`` (the epilog of :func:`main`).
+No calibration, and SmoothQuant stays off: why is in the README ("Quantize and check a drafter").
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -34,6 +33,7 @@ from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
     QUANTIZABLE_KINDS,
+    TARGET_DIR,
     ModuleSpec,
     checkpoint_modules,
     fused_module_groups,
@@ -59,9 +59,9 @@ from vllm_dspark.checkpoint.store import (
     validate_tensor_shapes,
 )
 from vllm_dspark.safety import check_output, refuse_nonempty, require_finite, staged
+from vllm_dspark.tools.cli import ArgumentParser
 
 REPORT_NAME = "quantization_report"
-TARGET_DIR = "target"
 
 # Input bytes per chunk: small enough that the quantizer's passes over it run in cache.
 _CHUNK_BYTES = 1 << 19
@@ -423,8 +423,8 @@ def quantize_checkpoint(
         raise Refusal(f"--workers must be at least 1, got {workers}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise Refusal("--device cuda, but torch sees no CUDA device; use --device cpu")
-    check_output(output_dir, [model_dir], flag="--output_dir")
-    refuse_nonempty(output_dir, overwrite=overwrite, flag="--output_dir")
+    check_output(output_dir, [model_dir], flag="--output-dir")
+    refuse_nonempty(output_dir, overwrite=overwrite, flag="--output-dir")
     plan = _plan(model_dir, fmt, include_layers)
     threads = torch.get_num_threads()
     try:
@@ -445,30 +445,35 @@ def quantize_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="vllm-dspark quantize",
         description="Quantize a K3 DSpark drafter checkpoint to a weight-only format, in the "
         "compressed-tensors format vLLM loads. Non-included tensors are copied bit-identical; a report "
         f"({REPORT_NAME}.json/.md) gives params quantized, sizes and weight SNR.",
-        epilog="No calibration; SmoothQuant is off on purpose: it eases activation quantization, and here "
-        "activations stay BF16, while per-output-channel FP8 weights are invariant to per-column rescaling (a "
-        "float format's relative rounding error does not depend on magnitude), so smoothing can only "
-        "redistribute the error, never remove it.",
+        epilog='No calibration; SmoothQuant is off on purpose (why: the README, "Quantize and check a '
+        'drafter").',
+    )
+    # qstream's underscore spellings (--model_dir) still parse: ArgumentParser takes both.
+    parser.add_argument(
+        "--model-dir",
+        required=True,
+        type=Path,
+        help="the BF16 drafter checkpoint directory",
     )
     parser.add_argument(
-        "--model_dir", required=True, type=Path, help="the BF16 drafter checkpoint directory"
+        "--output-dir",
+        required=True,
+        type=Path,
+        help="where to write the quantized checkpoint",
     )
     parser.add_argument(
-        "--output_dir", required=True, type=Path, help="where to write the quantized checkpoint"
-    )
-    parser.add_argument(
-        "--quant_format",
+        "--quant-format",
         required=True,
         choices=formats.names(),
         help="; ".join(fmt.description for fmt in formats.REGISTRY.values()),
     )
     parser.add_argument(
-        "--include_layers",
+        "--include-layers",
         nargs="+",
         default=list(FP8_RECIPE),
         metavar="KIND",
@@ -484,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="threads streaming row chunks (default: one per core)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
     args = parser.parse_args(argv)
     report = quantize_checkpoint(
         args.model_dir,

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import staged
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -82,8 +83,8 @@ def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt")
     except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
-        raise ValueError(
-            f"{path} is not a readable safetensors file ({e}). Fix: re-copy or re-export it."
+        raise FindingError(
+            Finding(f"{path} is not a readable safetensors file ({e})", "re-copy or re-export it")
         ) from None
 
 
@@ -136,6 +137,12 @@ def read_tensor(path: str | Path, key: str) -> torch.Tensor:
     """One tensor of one file."""
     with TensorReader() as reader:
         return reader.read(path, key)
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one file, in header order."""
+    with TensorReader() as reader:
+        return {key: reader.read(path, key) for key in read_header(path)}
 
 
 def read_rows(

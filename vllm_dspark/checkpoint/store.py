@@ -17,11 +17,14 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint.formats import TensorSpec
 from vllm_dspark.checkpoint.layout import checkpoint_modules
+from vllm_dspark.checkpoint.quant_plan import QuantPlan, QuantPlanError, is_stray, resolve
 from vllm_dspark.checkpoint.st_io import (
     Entry,
     SafetensorsWriter,
@@ -31,10 +34,8 @@ from vllm_dspark.checkpoint.st_io import (
     read_tensor,
 )
 from vllm_dspark.config import K3DSparkConfig, check_identity
+from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.safety import invalid_scale_count
-
-if TYPE_CHECKING:
-    from vllm_dspark.checkpoint.formats import TensorSpec
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -65,35 +66,54 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     """The raw ``config.json`` of ``model_dir`` as a dict, with a clear error if absent or malformed."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise ValueError(
-            f"{model_dir} is not a directory. Fix: pass the drafter checkpoint directory "
-            f"(the one holding {CONFIG_NAME} and the safetensors shards)."
+        raise FindingError(
+            Finding(
+                f"{model_dir} is not a directory",
+                f"pass the drafter checkpoint directory (the one holding {CONFIG_NAME} and the "
+                "safetensors shards)",
+            )
         )
     path = model_dir / CONFIG_NAME
     if not path.is_file():
-        raise ValueError(
-            f"{model_dir} has no {CONFIG_NAME}. Fix: copy the drafter's {CONFIG_NAME} next to its "
-            "shards, or write a fresh checkpoint with `vllm-dspark make-random`."
+        raise FindingError(
+            Finding(
+                f"{model_dir} has no {CONFIG_NAME}",
+                f"copy the drafter's {CONFIG_NAME} next to its shards, or write a fresh checkpoint "
+                "with `vllm-dspark make-random`",
+            )
         )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ValueError(
-            f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}. "
-            "Fix: repair the file (a trailing comma or a truncated copy is the usual cause)."
+        raise FindingError(
+            Finding(
+                f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}",
+                "repair the file (a trailing comma or a truncated copy is the usual cause)",
+            )
         ) from None
     except UnicodeDecodeError as e:
-        raise ValueError(
-            f"{path} is not UTF-8 text ({e.reason} at byte {e.start}). Fix: use the checkpoint's "
-            "own config.json."
+        raise FindingError(
+            Finding(
+                f"{path} is not UTF-8 text ({e.reason} at byte {e.start})",
+                "use the checkpoint's own config.json",
+            )
         ) from None
     if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object, found a {type(raw).__name__}.")
+        raise FindingError(
+            Finding(
+                f"{path} must hold a JSON object, found a {type(raw).__name__}",
+                "use the checkpoint's own config.json",
+            )
+        )
     qc = raw.get("quantization_config")
     if qc is not None and not isinstance(qc, dict):
-        raise ValueError(
-            f"{path}: quantization_config must be a JSON object (a compressed-tensors config), found a "
-            f"{type(qc).__name__}. Fix: use the config.json `vllm-dspark quantize` wrote."
+        raise FindingError(
+            Finding(
+                "quantization_config must be a JSON object (a compressed-tensors config), found a "
+                f"{type(qc).__name__}",
+                "use the config.json `vllm-dspark quantize` wrote",
+                str(path),
+            )
         )
     return raw
 
@@ -105,8 +125,12 @@ def load_config(model_dir: str | Path) -> K3DSparkConfig:
     try:
         check_identity(raw)
         return K3DSparkConfig(**raw)
-    except (ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"{path}: {e}") from None
+    except FindingError as e:
+        raise FindingError(*within(str(path), e.findings)) from None
+    except (ValueError, TypeError, KeyError) as e:  # raised by transformers itself
+        raise FindingError(
+            Finding(str(e), "correct that field in config.json", str(path))
+        ) from None
 
 
 def _describe(config: K3DSparkConfig) -> str:
@@ -128,8 +152,6 @@ def expected_tensors(
     An unquantized tensor is BF16 (F16 and F32 also load); a quantized module holds its format's
     tensors (packed codes and scales) instead of ``weight``.
     """
-    from vllm_dspark.checkpoint import formats
-
     quantized = quantized or {}
     expected: dict[str, TensorSpec] = {}
     for spec in checkpoint_modules(config):
@@ -145,8 +167,6 @@ def expected_tensors(
 
 
 def _float_tensor(shape: tuple[int, ...]) -> TensorSpec:
-    from vllm_dspark.checkpoint.formats import TensorSpec
-
     return TensorSpec(torch.bfloat16, shape, also=(torch.float16, torch.float32))
 
 
@@ -203,10 +223,12 @@ def validate_tensor_shapes(
             "(the shapes follow hidden_size, num_hidden_layers, intermediate_size, the MLA ranks, vocab_size "
             "and markov_rank), or re-export the checkpoint"
         )
-    raise ValueError(
-        f"{source} does not match its config.json ({_describe(config)}):\n  - "
-        + "\n  - ".join(listed)
-        + f"\nFix: {fix}."
+    raise FindingError(
+        Finding(
+            f"{source} does not match its config.json ({_describe(config)}):\n  - "
+            + "\n  - ".join(listed),
+            fix,
+        )
     )
 
 
@@ -228,15 +250,21 @@ def _weight_map(model_dir: Path) -> dict[str, Path]:
                     f"weight_map entries must name shard files, got {', '.join(odd[:3])}"
                 )
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"{index_path} is malformed ({e}). Fix: it must be a JSON object with a "
-                '"weight_map" of {"tensor name": "shard file name"}.'
+            raise FindingError(
+                Finding(
+                    f"{index_path} is malformed ({e})",
+                    'it must be a JSON object with a "weight_map" of {"tensor name": "shard file '
+                    'name"}',
+                )
             ) from None
         missing_files = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
         if missing_files:
-            raise ValueError(
-                f"{index_path} lists shard(s) {', '.join(missing_files)}, which do not exist in "
-                f"{model_dir}. Fix: copy every shard of the checkpoint."
+            raise FindingError(
+                Finding(
+                    f"{index_path} lists shard(s) {', '.join(missing_files)}, which do not exist "
+                    f"in {model_dir}",
+                    "copy every shard of the checkpoint",
+                )
             )
         return {key: model_dir / name for key, name in weight_map.items()}
     single = model_dir / SINGLE_FILE_NAME
@@ -244,13 +272,18 @@ def _weight_map(model_dir: Path) -> dict[str, Path]:
         return dict.fromkeys(read_header(single), single)
     shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if shards:
-        raise ValueError(
-            f"{model_dir} has shards ({', '.join(shards[:3])}{', ...' if len(shards) > 3 else ''}) "
-            f"but no {INDEX_NAME}. Fix: copy the index file that came with them."
+        raise FindingError(
+            Finding(
+                f"{model_dir} has shards ({', '.join(shards[:3])}"
+                f"{', ...' if len(shards) > 3 else ''}) but no {INDEX_NAME}",
+                "copy the index file that came with them",
+            )
         )
-    raise ValueError(
-        f"{model_dir} holds no weights ({SINGLE_FILE_NAME} or {INDEX_NAME}). "
-        "Fix: pass the directory the checkpoint was downloaded or exported to."
+    raise FindingError(
+        Finding(
+            f"{model_dir} holds no weights ({SINGLE_FILE_NAME} or {INDEX_NAME})",
+            "pass the directory the checkpoint was downloaded or exported to",
+        )
     )
 
 
@@ -274,12 +307,25 @@ def stored_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
                 )
             if extra:
                 parts.append(f"it holds {', '.join(extra[:5])}, which the index does not list")
-            raise ValueError(
-                f"{INDEX_NAME} and shard {path.name} disagree: {'; '.join(parts)}. "
-                "Fix: use the index written together with these shards."
+            raise FindingError(
+                Finding(
+                    f"{INDEX_NAME} and shard {path.name} disagree: {'; '.join(parts)}",
+                    "use the index written together with these shards",
+                )
             )
         headers.update(header)
     return {key: headers[key] for key in weight_map}
+
+
+def resolve_checkpoint(model_dir: str | Path) -> QuantPlan:
+    """:func:`resolve` for a drafter directory: its config.json and its shard headers."""
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    return resolve(
+        config,
+        read_config_json(model_dir).get("quantization_config"),
+        {key: t.dtype for key, t in stored_tensors(model_dir).items()},
+    )
 
 
 def load_drafter_state_dict(
@@ -296,8 +342,6 @@ def load_drafter_state_dict(
     instant, and processes reading the same checkpoint share its pages. :func:`save_drafter` replaces
     files atomically, so rewriting a checkpoint never changes a mapped one under a running reader.
     """
-    from vllm_dspark.checkpoint.quant_plan import QuantPlanError, is_stray, resolve
-
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     raw = read_config_json(model_dir)
@@ -307,10 +351,9 @@ def load_drafter_state_dict(
             config, raw.get("quantization_config"), {k: t.dtype for k, t in stored.items()}
         )
     except QuantPlanError as e:
-        raise ValueError(f"{model_dir}: {e}") from None
-    for warning in (plan.warning, plan.stray_warning()):
-        if warning:
-            _LOG.warning("%s: %s", model_dir, warning)
+        raise FindingError(*within(str(model_dir), e.findings)) from None
+    for warning in plan.warnings():
+        _LOG.warning("%s: %s", model_dir, warning)
     stored = {k: t for k, t in stored.items() if not is_stray(k, config)}
     quantized = plan.modules
     expected = {k: t.shape for k, t in expected_tensors(config, quantized).items()}
@@ -345,16 +388,16 @@ def _dequantize(
     module: str, fmt: str, shape: tuple[int, ...], read: Callable[[str], torch.Tensor]
 ) -> torch.Tensor:
     """``module``'s weight, dequantized from the ``fmt`` tensors that ``read(key)`` returns."""
-    from vllm_dspark.checkpoint import formats
-
     parts = {suffix: read(f"{module}.{suffix}") for suffix in formats.get(fmt).tensor_specs(shape)}
     for suffix, tensor in parts.items():
         bad = invalid_scale_count(tensor) if suffix.endswith("scale") else 0
         if bad:
-            raise ValueError(
-                f"{module}.{suffix}: {bad} of {tensor.numel()} scale values are NaN, infinite, zero or "
-                "negative, so the weight cannot be dequantized. Fix: re-quantize the BF16 checkpoint "
-                "with `vllm-dspark quantize`."
+            raise FindingError(
+                Finding(
+                    f"{module}.{suffix}: {bad} of {tensor.numel()} scale values are NaN, infinite, zero or "
+                    "negative, so the weight cannot be dequantized",
+                    "re-quantize the BF16 checkpoint with `vllm-dspark quantize`",
+                )
             )
     try:
         weight = formats.get(fmt).dequantize(parts, tuple(shape))
@@ -381,15 +424,21 @@ def load_target_heads(
     elif target_dir.is_dir():
         weight_map = _weight_map(target_dir)
     else:
-        raise ValueError(
-            f"target {target_dir} does not exist. Fix: pass the target model's directory (or a "
-            f"safetensors file with {TARGET_EMBED_KEY} and {TARGET_LM_HEAD_KEY})."
+        raise FindingError(
+            Finding(
+                f"target {target_dir} does not exist",
+                f"pass the target model's directory (or a safetensors file with {TARGET_EMBED_KEY} "
+                f"and {TARGET_LM_HEAD_KEY})",
+            )
         )
     missing = [k for k in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY) if k not in weight_map]
     if missing:
-        raise ValueError(
-            f"target {target_dir} lacks {' and '.join(missing)}. Fix: pass the target model the "
-            "drafter was trained for; the drafter shares its embedding and lm_head."
+        raise FindingError(
+            Finding(
+                f"target {target_dir} lacks {' and '.join(missing)}",
+                "pass the target model the drafter was trained for; the drafter shares its "
+                "embedding and lm_head",
+            )
         )
     embed, lm_head = (
         read_tensor(weight_map[key], key) for key in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY)
@@ -405,6 +454,42 @@ def load_target_heads(
 
 
 # ----- writing -----
+
+
+def write_target_config(drafter: K3DSparkConfig, out_dir: str | Path) -> Path:
+    """A DeepSeek-V3 (MLA) target config.json with the geometry ``drafter`` expects of its target.
+
+    Hidden size, depth and vocabulary come from the drafter's ``target_*`` fields; the MLA shape is
+    the drafter's own, so the target's latent cache and the draft's agree (576 for Kimi-K3).
+    """
+    from transformers import DeepseekV3Config
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = DeepseekV3Config(
+        vocab_size=drafter.vocab_size,
+        hidden_size=drafter.target_hidden_size,
+        intermediate_size=2 * drafter.target_hidden_size,
+        moe_intermediate_size=drafter.target_hidden_size // 2,
+        num_hidden_layers=drafter.target_num_hidden_layers,
+        num_attention_heads=drafter.num_attention_heads,
+        num_key_value_heads=drafter.num_attention_heads,
+        q_lora_rank=drafter.q_lora_rank,
+        kv_lora_rank=drafter.kv_lora_rank,
+        qk_rope_head_dim=drafter.qk_rope_head_dim,
+        qk_nope_head_dim=drafter.qk_nope_head_dim,
+        v_head_dim=drafter.v_head_dim,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=4096,
+    )
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.save_pretrained(out_dir)
+    return out_dir
 
 
 def save_drafter(

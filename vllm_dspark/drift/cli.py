@@ -15,7 +15,9 @@ import vllm_dspark.drift as drift_pkg
 from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import FP8_RECIPE
 from vllm_dspark.drift.harness import default_variants
+from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, staged
+from vllm_dspark.tools.cli import ArgumentParser
 
 DEFAULT_SWEEP: tuple[int, ...] = (
     1 << 10,
@@ -39,7 +41,7 @@ def parse_position(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="vllm-dspark eval",
         description="Measure how far BF16 / quantized builds of a K3 DSpark drafter drift from its FP32 "
         "reference on identical inputs, with 95 % bootstrap CIs. Writes results.json, results.md and "
@@ -117,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but torch sees no CUDA device. Fix: use --device cpu.")
+        raise FindingError(
+            Finding("--device cuda, but torch sees no CUDA device", "use --device cpu")
+        )
     from vllm_dspark.drift.harness import EvalSpec, run
     from vllm_dspark.drift.report import ceiling_summary, write_report
 
@@ -147,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         out, [args.model, *checkpoints, args.corpus, args.tokenizer, args.target], flag="--out"
     )
     if out.exists() and not out.is_dir():
-        raise ValueError(
-            f"--out {out} exists and is not a directory. Fix: pass a results directory."
+        raise FindingError(
+            Finding(f"--out {out} exists and is not a directory", "pass a results directory")
         )
     # Staged from the start: an unwritable --out fails now, not after the run, and an interrupted or
     # failed run leaves no truncated results.json.

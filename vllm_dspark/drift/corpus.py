@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vllm_dspark.findings import Finding, FindingError
+
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
 
 
@@ -46,13 +48,16 @@ def _ids_from_npy(path: Path) -> np.ndarray:
     try:
         ids = np.load(path, allow_pickle=False)
     except (ValueError, EOFError) as e:
-        raise ValueError(
-            f"{path} is not a .npy array file ({e}). Fix: save the token ids with numpy.save"
+        raise FindingError(
+            Finding(f"{path} is not a .npy array file ({e})", "save the token ids with numpy.save")
         ) from None
     if not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(
-            f"{path} holds {ids.dtype} values, not integer token ids (a float would be truncated to a "
-            "different id). Fix: save the token ids as an integer array, e.g. np.int64"
+        raise FindingError(
+            Finding(
+                f"{path} holds {ids.dtype} values, not integer token ids (a float would be truncated to a "
+                "different id)",
+                "save the token ids as an integer array, e.g. np.int64",
+            )
         )
     return ids.astype(np.int64).ravel()
 
@@ -82,9 +87,11 @@ def load_corpus(
     else:
         path = Path(path)
         if not path.is_file():
-            raise ValueError(
-                f"--corpus {path} {'is a directory' if path.is_dir() else 'does not exist'}. Fix: pass a "
-                ".npy / .json / .txt file of token ids, or a text file with --tokenizer DIR"
+            raise FindingError(
+                Finding(
+                    f"--corpus {path} {'is a directory' if path.is_dir() else 'does not exist'}",
+                    "pass a .npy / .json / .txt file of token ids, or a text file with --tokenizer DIR",
+                )
             )
         if tokenizer is not None:
             from transformers import AutoTokenizer

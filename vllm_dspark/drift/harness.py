@@ -27,16 +27,21 @@ import vllm_dspark.drift as drift_pkg
 from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
+    TARGET_DIR,
     checkpoint_modules,
     fused_module_groups,
     tensor_shapes,
 )
-from vllm_dspark.checkpoint.quant_plan import resolve_checkpoint
-from vllm_dspark.checkpoint.store import load_drafter_state_dict, load_target_heads
+from vllm_dspark.checkpoint.store import (
+    load_drafter_state_dict,
+    load_target_heads,
+    resolve_checkpoint,
+)
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.drift import corpus as corpus_mod
 from vllm_dspark.drift import metrics
 from vllm_dspark.drift.regimes import HEAVY_SIGMA, REGIMES, boot_aux, synthetic_aux
+from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.ops.sampling import markov_rollout
 from vllm_dspark.reference.drafter import ReferenceDrafter
 from vllm_dspark.safety import require_finite, spill_dir
@@ -181,7 +186,7 @@ def load_reference(spec: EvalSpec) -> tuple[K3DSparkConfig, ReferenceDrafter, He
     state_dict.pop(
         "embed_tokens.weight", None
     )  # the target's embedding is used; free the drafter's copy now
-    target = spec.target or str(Path(spec.model) / "target")
+    target = spec.target or str(Path(spec.model) / TARGET_DIR)
     embed, lm_head = load_target_heads(target, dtype=None)
     heads = Heads(embed.to(spec.device), lm_head.to(spec.device))
     reference = ReferenceDrafter.from_state_dict(
@@ -243,10 +248,12 @@ def check_same_model(
         and not torch.equal(tensor, ours[key].to(tensor.device, tensor.dtype))
     ]
     if differ:
-        raise ValueError(
-            f"variant {name} is not a build of the reference: {len(differ)} unquantized tensor(s) differ "
-            f"from the reference's ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}). Fix: "
-            "quantize the --model checkpoint itself, or pass the --model it was quantized from."
+        raise FindingError(
+            Finding(
+                f"variant {name} is not a build of the reference: {len(differ)} unquantized tensor(s) differ "
+                f"from the reference's ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})",
+                "quantize the --model checkpoint itself, or pass the --model it was quantized from",
+            )
         )
 
 

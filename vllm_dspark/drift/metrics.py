@@ -74,9 +74,9 @@ def acceptance_ceiling(accept_per_position: np.ndarray) -> np.ndarray:
 
 
 def prefix_run_length(agree: np.ndarray) -> np.ndarray:
-    """1 + the number of leading positions (last axis) where the variant's token equals the reference's:
-    the accepted length if the FP32 reference were the (greedy) target."""
-    return 1.0 + np.cumprod(np.asarray(agree, dtype=np.float64), axis=-1).sum(-1)
+    """1 + the leading positions (last axis) where the variant's token equals the reference's: the
+    accepted length if the FP32 reference were the (greedy) target, i.e. the ceiling of 0/1 survival."""
+    return acceptance_ceiling(agree)
 
 
 def pearson_r(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -178,8 +178,6 @@ class BlockRecords:
         fields = BlockRecords.__dataclass_fields__
         return BlockRecords(**{f: np.concatenate([getattr(p, f) for p in parts]) for f in fields})
 
-
-NO_ESTIMATE = Estimate(float("nan"), float("nan"), float("nan"))
 
 # Fractions of tokens whose KL exceeds the plotted value: the tail the KL-tail plot draws.
 KL_TAIL_FRACTIONS: tuple[float, ...] = tuple(float(f) for f in np.logspace(0, -3, 31))

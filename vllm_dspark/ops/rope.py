@@ -13,9 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -141,3 +144,16 @@ class RotaryEmbedding:
         extra = x.dim() - positions.dim() - 1
         shape = tuple(positions.shape) + (1,) * extra + (cos.shape[-1],)
         return apply_rotary_interleaved(x, cos.view(shape), sin.view(shape))
+
+
+def rotate_pe(
+    rotary_emb: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
+    """GPT-J-rotate ``x [T, heads, rope_dim]`` at ``positions [T]`` with the layer's fp32 cos/sin table.
+
+    The table is the one the GPU layer's fused epilogues read, so context latents written here and
+    query-block latents written by those kernels carry the same rotation.
+    """
+    assert not rotary_emb.is_neox_style, "Kimi-K3 MLA rotates GPT-J style"
+    cos, sin = rotary_emb.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+    return apply_rotary_interleaved(x, cos.unsqueeze(-2), sin.unsqueeze(-2))

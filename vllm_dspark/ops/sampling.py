@@ -1,16 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The DSpark Markov rollout and seeded draft sampling, as pure functions.
 
-One implementation shared by the reference drafter, the vLLM model class and the drift harness.
-
-The Markov head makes drafting sequential: position ``i``'s logits are the block's base logits plus a
-low-rank bias of the token drafted at ``i - 1`` (the anchor for ``i = 0``),
+Used by the reference drafter and the drift harness; the tests drive the served model's hooks with
+it. The Markov head makes drafting sequential: position ``i``'s logits are the block's base logits
+plus a low-rank bias of the token drafted at ``i - 1`` (the anchor for ``i = 0``),
 
     logits_i = U_i + s * W2 W1[y_{i-1}],    y_i ~ softmax(logits_i / T)    (argmax when T == 0)
 
-as ``DSparkSpeculator._sample_sequential`` does. Sampling is Gumbel-max with one ``torch.Generator``
-per (request, position), seeded from the request's seed and the position, so a request's draft
-depends only on its own seed, logits and positions, never on which other requests share the batch.
+as ``DSparkSpeculator._sample_sequential`` does. Sampling is Gumbel-max seeded per (request,
+position), so a request's draft never depends on which other requests share the batch.
 """
 
 from __future__ import annotations

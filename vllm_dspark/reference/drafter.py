@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_dspark.checkpoint.layout import tensor_shapes
+from vllm_dspark.checkpoint.layout import TARGET_DIR, tensor_shapes
 from vllm_dspark.checkpoint.store import (
     load_config,
     load_drafter_state_dict,
@@ -27,16 +27,13 @@ from vllm_dspark.checkpoint.store import (
     validate_tensor_shapes,
 )
 from vllm_dspark.config import K3DSparkConfig
+from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.ops.rope import RotaryEmbedding, softmax_scale
 from vllm_dspark.ops.sampling import markov_rollout
 from vllm_dspark.safety import require_finite
 
-# A weight stored narrower than the compute dtype is upcast a slab of output rows at a time into one
-# reused, cache-sized scratch buffer: upcasting whole weights would allocate (and page-fault in) a
-# fresh FP32 copy of every weight on every call, which at the real shapes costs more than the matmuls.
-# 4 Mi elements (16 MiB in FP32) stays cache-friendly for a 7-token block; narrow slabs of a wide weight
-# (context_proj's 35840 inputs) starve the GEMM of output columns, so a slab never has fewer rows than
-# _MIN_SLAB_ROWS.
+# Narrow weights are upcast a slab of rows at a time into one reused, cache-sized scratch buffer (a
+# fresh FP32 copy per call costs more than the matmul); a floor on rows keeps wide weights' GEMMs fed.
 _UPCAST_CHUNK_ELEMENTS = 1 << 22
 _MIN_SLAB_ROWS = 256
 _scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -123,7 +120,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.q_b_proj = Linear(
             c.q_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
         )
-        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_latent_dim)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
         self.kv_b_proj = Linear(
             c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
@@ -334,10 +331,12 @@ class ReferenceDrafter(nn.Module):
         heads_shape = (config.vocab_size, config.hidden_size)
         for name, tensor in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
             if tuple(tensor.shape) != heads_shape:
-                raise ValueError(
-                    f"target {name} has shape {tuple(tensor.shape)}, but the drafter's config needs "
-                    f"{heads_shape} (vocab_size, hidden_size). Fix: pass the target the drafter "
-                    "was trained for."
+                raise FindingError(
+                    Finding(
+                        f"target {name} has shape {tuple(tensor.shape)}, but the drafter's config needs "
+                        f"{heads_shape} (vocab_size, hidden_size)",
+                        "pass the target the drafter was trained for",
+                    )
                 )
         weights["embed_tokens.weight"] = embed_tokens
         weights["lm_head.weight"] = lm_head
@@ -374,11 +373,14 @@ class ReferenceDrafter(nn.Module):
         model_dir = Path(model_dir)
         load_config(model_dir)  # a broken drafter directory is the first thing to report
         if target_dir is None:
-            target_dir = model_dir / "target"
+            target_dir = model_dir / TARGET_DIR
             if not target_dir.exists():
-                raise ValueError(
-                    f"no target given and {target_dir} does not exist. Fix: pass the target model "
-                    "directory (--target), whose embedding and lm_head the drafter shares."
+                raise FindingError(
+                    Finding(
+                        f"no target given and {target_dir} does not exist",
+                        "pass the target model directory (--target), whose embedding and lm_head the "
+                        "drafter shares",
+                    )
                 )
         load_dtype = None if compute_dtype == torch.float32 else compute_dtype
         config, state_dict = load_drafter_state_dict(model_dir, dtype=load_dtype)
@@ -604,9 +606,11 @@ class ReferenceDrafter(nn.Module):
                 f"values from {int(context_positions.min())} to {int(context_positions.max())}."
             )
         if seeds is not None and (seeds.is_floating_point() or seeds.dtype == torch.bool):
-            raise ValueError(
-                f"seeds must be integers (int64), got {seeds.dtype}. Fix: store them as int64; a "
-                "float seed would be truncated silently."
+            raise FindingError(
+                Finding(
+                    f"seeds must be integers (int64), got {seeds.dtype}",
+                    "store them as int64; a float seed would be truncated silently",
+                )
             )
         if tuple(anchor_ids.shape) != (batch,) or anchor_ids.is_floating_point():
             raise ValueError(

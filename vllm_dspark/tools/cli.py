@@ -12,11 +12,31 @@ exit 2 (130 / 143 for SIGINT / SIGTERM). A traceback appears only with ``--debug
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import signal
 import sys
 import traceback
+from collections.abc import Sequence
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Also takes each flag's underscore spelling (``--model_dir``), as ``vllm serve`` does."""
+
+    def parse_known_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        args = sys.argv[1:] if args is None else args
+        return super().parse_known_args([_kebab(a) for a in args], namespace)
+
+
+def _kebab(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    flag, eq, value = arg.partition("=")
+    return flag.replace("_", "-") + eq + value
+
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-random": (
@@ -37,7 +57,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "measure a quantized drafter's drift from the FP32 reference",
     ),
     "doctor": (
-        "vllm_dspark.doctor",
+        "vllm_dspark.doctor.cli",
         "check a --speculative-config against the drafter and this machine",
     ),
 }

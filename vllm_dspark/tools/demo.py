@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 from vllm_dspark.checkpoint.layout import module_kind
+from vllm_dspark.tools.cli import ArgumentParser
 
 
 def _step(title: str) -> None:
@@ -40,7 +41,7 @@ def _quant_summary(model) -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m vllm_dspark.tools.demo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -73,15 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     if rc:
         return rc
 
-    _step(f"2/5 quantize --quant_format fp8 --output_dir {fp8}")
+    _step(f"2/5 quantize --quant-format fp8 --output-dir {fp8}")
     rc = cli.main(
         [
             "quantize",
-            "--model_dir",
+            "--model-dir",
             str(drafter),
-            "--output_dir",
+            "--output-dir",
             str(fp8),
-            "--quant_format",
+            "--quant-format",
             "fp8",
             "--overwrite",
         ]

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
-from vllm_dspark.checkpoint.st_io import save_tensors
+from vllm_dspark.checkpoint.st_io import read_tensors, save_tensors
+from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, require_finite
+from vllm_dspark.tools.cli import ArgumentParser
 
 if TYPE_CHECKING:
     from vllm_dspark.config import K3DSparkConfig
@@ -76,17 +76,13 @@ def read_inputs(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
-        raise ValueError(
-            f"inputs file {path} {what}. Fix: pass a .safetensors file (`--example-inputs FILE` "
-            "writes a valid one)."
+        raise FindingError(
+            Finding(
+                f"inputs file {path} {what}",
+                "pass a .safetensors file (`--example-inputs FILE` writes a valid one)",
+            )
         )
-    try:
-        tensors = load_file(str(path))
-    except SafetensorError as e:
-        raise ValueError(
-            f"{path} is not a readable safetensors file ({e}). Fix: write it with "
-            "safetensors.torch.save_file."
-        ) from None
+    tensors = read_tensors(path)
     missing = [
         name for name, (required, _) in INPUT_TENSORS.items() if required and name not in tensors
     ]
@@ -134,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
         for n, (req, desc) in INPUT_TENSORS.items()
     )
     outputs = "\n".join(f"  {n:<18} {desc}" for n, desc in OUTPUT_TENSORS.items())
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="vllm-dspark draft",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Draft one block per request with the reference (plain PyTorch) K3 DSpark drafter.\n"
@@ -179,8 +175,10 @@ def _write(
     """Save ``tensors`` to ``out`` atomically, never over an input or into a directory."""
     check_output(out, inputs, flag=flag)
     if out.is_dir():
-        raise ValueError(
-            f"{flag} {out} is a directory. Fix: pass a file path, e.g. {out / 'out.safetensors'}."
+        raise FindingError(
+            Finding(
+                f"{flag} {out} is a directory", f"pass a file path, e.g. {out / 'out.safetensors'}"
+            )
         )
     save_tensors(out, tensors)
 

@@ -1,22 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Load a drafter directory through vLLM's own ``dspark`` loading path, outside an engine.
 
-``load_with_vllm`` does what ``DSparkSpeculator.load_draft_model`` does — vLLM's
-``load_dspark_model``: the real draft ``VllmConfig``, the draft's quant config, ``get_model``
-(``initialize_model`` -> ``load_weights`` -> per-layer post-processing ->
-``process_weights_after_loading``) and the aliasing of the target's embedding and lm_head — so a
-checkpoint can be proven loadable, and the loaded model's hooks inspected, on any machine. The demo
-and the tests use it.
-
-It stands in for only what an engine would provide and a CPU machine lacks:
-
-- vLLM's V1-model-runner check is skipped while the configs are built: ``dspark`` runs only in the
-  V2 GPU model runner, and the check would refuse a config for which no runner is ever made here;
-- the target is :class:`TargetHeads`, holding only what the drafter shares with it
-  (``model.embed_tokens`` and ``lm_head`` as vLLM's own layers, from the drafter's ``target/``
-  heads file), and its config is a small DeepSeek-V3 MLA config of the drafter's target geometry
-  (:func:`write_target_config`, into a temporary folder: a loader never writes into a checkpoint)
-  unless a real target config directory is given.
+``load_with_vllm`` runs vLLM's ``load_dspark_model`` (the draft ``VllmConfig``, its quant config,
+``get_model`` and the aliasing of the target's embedding and lm_head), so a checkpoint can be proven
+loadable and its hooks inspected on any machine. It stands in only for what a CPU machine lacks: the
+V1-runner check is skipped (``dspark`` runs only in the V2 GPU runner), the target is
+:class:`TargetHeads` (just the shared embedding and lm_head), and the target config is a small
+DeepSeek-V3 MLA config of the drafter's target geometry, written to a temporary folder.
 """
 
 from __future__ import annotations
@@ -25,56 +15,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import nn
 
-from vllm_dspark.config import K3DSparkConfig
-
-TARGET_HEADS = Path("target") / "model.safetensors"
-
-
-def write_target_config(drafter: K3DSparkConfig, out_dir: str | Path) -> Path:
-    """A DeepSeek-V3 (MLA) target config.json with the geometry ``drafter`` expects of its target.
-
-    Hidden size, depth and vocabulary come from the drafter's ``target_*`` fields; the MLA shape is
-    the drafter's own, so the target's latent cache and the draft's agree (576 for Kimi-K3).
-    """
-    from transformers import DeepseekV3Config
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = DeepseekV3Config(
-        vocab_size=drafter.vocab_size,
-        hidden_size=drafter.target_hidden_size,
-        intermediate_size=2 * drafter.target_hidden_size,
-        moe_intermediate_size=drafter.target_hidden_size // 2,
-        num_hidden_layers=drafter.target_num_hidden_layers,
-        num_attention_heads=drafter.num_attention_heads,
-        num_key_value_heads=drafter.num_attention_heads,
-        q_lora_rank=drafter.q_lora_rank,
-        kv_lora_rank=drafter.kv_lora_rank,
-        qk_rope_head_dim=drafter.qk_rope_head_dim,
-        qk_nope_head_dim=drafter.qk_nope_head_dim,
-        v_head_dim=drafter.v_head_dim,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        max_position_embeddings=4096,
-    )
-    config.architectures = ["DeepseekV3ForCausalLM"]
-    config.save_pretrained(out_dir)
-    return out_dir
-
-
-def _without_v1_runner_check():
-    from vllm.config import VllmConfig
-
-    return mock.patch.object(VllmConfig, "_validate_v1_model_runner", lambda self: None)
+from vllm_dspark.checkpoint.layout import TARGET_HEADS
+from vllm_dspark.checkpoint.store import load_target_heads, write_target_config
+from vllm_dspark.compat import without_v1_runner_check
 
 
 def engine_config(
@@ -97,7 +44,7 @@ def engine_config(
         tensor_parallel_size=tensor_parallel_size,
         speculative_config={"method": "dspark", "model": str(draft_dir), **speculative},
     )
-    with _without_v1_runner_check():
+    with without_v1_runner_check():
         return args.create_engine_config()
 
 
@@ -110,24 +57,18 @@ class TargetHeads(nn.Module):
 
     def __init__(self, heads_file: str | Path, dtype: torch.dtype) -> None:
         super().__init__()
-        from safetensors.torch import load_file
         from vllm.model_executor.layers.vocab_parallel_embedding import (
             ParallelLMHead,
             VocabParallelEmbedding,
         )
 
-        from vllm_dspark.checkpoint.store import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY
-
-        heads = load_file(str(heads_file))
-        vocab, hidden = heads[TARGET_EMBED_KEY].shape
+        embed, lm_head = load_target_heads(heads_file)
+        vocab, hidden = embed.shape
         self.model = _Inner()
         self.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, params_dtype=dtype)
         self.lm_head = ParallelLMHead(vocab, hidden, params_dtype=dtype)
-        for layer, key in (
-            (self.model.embed_tokens, TARGET_EMBED_KEY),
-            (self.lm_head, TARGET_LM_HEAD_KEY),
-        ):
-            layer.weight_loader(layer.weight, heads[key])
+        for layer, weight in ((self.model.embed_tokens, embed), (self.lm_head, lm_head)):
+            layer.weight_loader(layer.weight, weight)
             layer.quant_method.process_weights_after_loading(layer)
 
 
@@ -178,7 +119,7 @@ def load_with_vllm(
             tensor_parallel_size=tensor_parallel_size,
             **speculative,
         )
-        with set_current_vllm_config(vllm_config), _without_v1_runner_check():
+        with set_current_vllm_config(vllm_config), without_v1_runner_check():
             ensure_single_process_runtime()
             target = TargetHeads(
                 heads_file or draft_dir / TARGET_HEADS, vllm_config.model_config.dtype

