@@ -16,12 +16,13 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,17 @@ def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
         tensors = (_read(quantized[m].stored, quantized[m].key).to(device) for m in members)
         scales.update(dict.fromkeys(members, fmt.shared_global_scale(tensors)))
     return scales
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while threads start: an interrupt raised inside ``Thread.start``
+    would leave a thread that the executor's shutdown never joins, writing after the cleanup."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _rows(item: _Item) -> list[slice]:
@@ -346,26 +358,27 @@ def _write_quantized(
         pool = stack.enter_context(ThreadPoolExecutor(workers, thread_name_prefix="quantize"))
         # Unwound first: on error, drop the chunks not started before the writers abort their files.
         stack.callback(pool.shutdown, wait=True, cancel_futures=True)
-        jobs = [
-            (
-                item,
-                [
-                    pool.submit(
-                        _chunk,
-                        item,
-                        r,
-                        sources[item.stored.path],
-                        shard.fileno(),
-                        offsets,
-                        device,
-                        global_scales,
-                    )
-                    for r in _rows(item)
-                ],
-            )
-            for shard, offsets, shard_items in shards
-            for item in shard_items
-        ]
+        with _signals_held():
+            jobs = [
+                (
+                    item,
+                    [
+                        pool.submit(
+                            _chunk,
+                            item,
+                            r,
+                            sources[item.stored.path],
+                            shard.fileno(),
+                            offsets,
+                            device,
+                            global_scales,
+                        )
+                        for r in _rows(item)
+                    ],
+                )
+                for shard, offsets, shard_items in shards
+                for item in shard_items
+            ]
         with tqdm(
             total=sum(i.stored.nbytes for i in items),
             unit="B",
@@ -432,7 +445,8 @@ def quantize_checkpoint(
         torch.set_num_threads(max(1, threads // workers))
         with staged(output_dir, directory=True) as staging, ThreadPoolExecutor(1) as side:
             # The other files (the target's heads: GiBs) copy in the kernel meanwhile.
-            others = side.submit(_copy_other_files, model_dir, staging)
+            with _signals_held():
+                others = side.submit(_copy_other_files, model_dir, staging)
             # Process-global: held for the run so no worker's own stance lapses while another's is set.
             with torch.compiler.set_stance("force_eager"):
                 report = _write_quantized(plan, staging, fmt, device, workers, progress)
