@@ -9,8 +9,9 @@ its own subprocess so that each peak RSS is its own: the copy loads every shard 
 the same numerator for both, so the ratio is the cost of quantizing, SNR measurement included.
 Then ``vllm-dspark check`` verifies the last output. Goal: the worst pair within 1.3x.
 
-The ``k3`` preset (6.6 GiB of BF16 input, random weights at the real shapes) needs ~25 GiB of free
-disk (input, target heads, one output each) and should run under ``flock /tmp/k3.lock``:
+The ``k3`` preset (6.6 GiB of BF16 input, random weights at the real shapes) needs ~32 GiB of free
+disk (input with its target heads, one quantized output, one copy) and takes ~10 minutes (~5
+with ``--model``) on two cores; run it under ``flock /tmp/k3.lock`` on shared machines:
 
     flock /tmp/k3.lock python -m benchmarks quantizer [--model /tmp/k3] [--pairs 5]
 """
