@@ -33,6 +33,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "register": ["--pairs", "1", "--warmup", "0"],
     "drift": ["--preset", "tiny", "--blocks", "8"],
     "drift-positions": ["--preset", "tiny", "--blocks", "4"],
+    "pair": ["--prompts", "2", "--max-tokens", "4", "--blocks", "4"],
 }
 
 
@@ -138,6 +139,12 @@ def check_arithmetic(name: str, result: dict, *, committed: bool = True) -> None
         )
         eval_s = sum(v for k, v in timing.items() if k.startswith("eval_"))
         _close(timing["blocks_per_s"], evaluated / eval_s, "blocks_per_s")
+    elif name == "pair":
+        assert result["rows"]
+        for row in result["rows"]:
+            for key, over in row["overestimate"].items():
+                _close(over, row[key]["value"] - row["tau"]["value"], f"{row['variant']} {key}")
+            assert len(row["lossless"]) == result["accept_config"]["num_prompts"]
     elif name == "e2e_cpu":
         for row in result["rows"]:
             _close(

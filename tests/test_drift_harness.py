@@ -246,6 +246,43 @@ def test_cell_inputs_are_pinned(tiny_checkpoint, regime):
     torch.testing.assert_close(hidden, drafted.hidden, atol=0, rtol=0)
 
 
+def test_real_aux_is_the_residual_entering_the_layers_vllm_taps(dspark_models, tmp_path):
+    """The real regime's aux states are what the target's layers ``target_layer_ids + 1`` receive
+    (seen by hooks on those layers), in BF16; a heads-only target is refused in one line."""
+    ids = np.random.default_rng(0).integers(4, 4000, size=200)
+    (tmp_path / "ids.json").write_text(json.dumps(ids.tolist()))
+    spec = EvalSpec(
+        model=str(dspark_models["drafter"]),
+        target=str(dspark_models["target"]),
+        regimes=("real",),
+        blocks=3,
+        batch_size=2,
+        context_len=12,
+        corpus=str(tmp_path / "ids.json"),
+        progress=False,
+    )
+    config, reference, _ = load_reference(spec)
+    blocks = make_blocks(spec, config, reference)
+    model = regimes.load_target(
+        spec.target, config.target_layer_ids, config.target_hidden_size, config.vocab_size
+    )
+    seen = {}
+    for i in config.target_layer_ids:
+        model.model.layers[i + 1].register_forward_pre_hook(
+            lambda _m, args, kw, i=i: seen.__setitem__(
+                i, kw.get("hidden_states", args[0] if args else None)
+            ),
+            with_kwargs=True,
+        )
+    with torch.inference_mode():
+        model(blocks.windows[:, :12])
+    expected = torch.cat([seen[i] for i in config.target_layer_ids], -1).to(torch.bfloat16)
+    assert torch.equal(blocks.states["real"], expected)
+    heads_only = EvalSpec(**{**spec.__dict__, "target": str(dspark_models["drafter"] / "target")})
+    with pytest.raises(ValueError, match="holds only the shared heads"):
+        make_blocks(heads_only, config, reference)
+
+
 def test_synthetic_aux_is_a_function_of_the_block_alone():
     together = regimes.synthetic_aux("heavy", [0, 1, 2], 4, 5, 8, seed=7)
     alone = regimes.synthetic_aux("heavy", [2], 4, 5, 8, seed=7)

@@ -149,3 +149,14 @@ def test_summarize_without_confidence_head_reports_nan():
     s = metrics.summarize(rec, metrics.bootstrap_indices(8, 50, seed=0))
     assert math.isnan(s["confidence_r"]["value"]) and math.isnan(s["sched_flip_rate"]["value"])
     assert not math.isnan(s["ceiling"]["value"])
+
+
+def test_auc_is_the_mann_whitney_statistic():
+    """AUC = P(score of a positive > score of a negative), ties counting half."""
+    scores = np.array([0.1, 0.4, 0.35, 0.8, 0.4])
+    labels = np.array([False, False, True, True, True])
+    pairs = [(p, n) for p in scores[labels] for n in scores[~labels]]
+    expected = np.mean([1.0 if p > n else 0.5 if p == n else 0.0 for p, n in pairs])
+    assert metrics.auc(scores, labels) == pytest.approx(expected)
+    assert metrics.auc(scores, ~labels) == pytest.approx(1 - expected)
+    assert np.isnan(metrics.auc(scores, np.zeros(5, dtype=bool)))

@@ -12,6 +12,7 @@ tensor name)``, and tensors are generated and written one at a time.
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 import time
 import zlib
@@ -256,7 +257,6 @@ def make_random_like(
 ) -> Path:
     """Write a random drafter with ``target_dir``'s geometry; its ``target/`` heads are the target's own."""
     import json
-    import shutil
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -281,11 +281,33 @@ def make_random_like(
         )
     )
     with staged(out_dir, directory=True) as staging:
-        save_drafter(staging, config_json, tensors, entries=_bf16_entries(config))
-        heads = {TARGET_EMBED_KEY: embed_tokens, TARGET_LM_HEAD_KEY: lm_head}
-        save_tensors(staging / TARGET_HEADS, heads)
-        shutil.copyfile(target_dir / "config.json", staging / TARGET_DIR / "config.json")
+        save_drafter_with_heads(
+            staging,
+            config_json,
+            tensors,
+            embed_tokens=embed_tokens,
+            lm_head=lm_head,
+            target_config=target_dir / "config.json",
+            entries=_bf16_entries(config),
+        )
     return out_dir
+
+
+def save_drafter_with_heads(
+    out_dir: Path,
+    config_json: dict,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    *,
+    embed_tokens: torch.Tensor,
+    lm_head: torch.Tensor,
+    target_config: Path,
+    entries: list[Entry] | None = None,
+) -> None:
+    """Write a drafter directory plus ``target/``: the target's shared heads and its config.json."""
+    save_drafter(out_dir, config_json, tensors, entries=entries)
+    heads = {TARGET_EMBED_KEY: embed_tokens, TARGET_LM_HEAD_KEY: lm_head}
+    save_tensors(out_dir / TARGET_HEADS, heads)
+    shutil.copyfile(target_config, out_dir / TARGET_DIR / "config.json")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,8 @@ Method:
   dequantized and computed in BF16. ``fp32`` (the reference against itself) is the sanity check:
   agreement 1, KL 0.
 - Only the unobservable input is shared: the 5 aux hidden states (regimes ``gauss``, ``heavy``,
-  ``boot``; rounded to BF16 as vLLM hands them over). Each variant runs its own context_proj and
+  ``boot``, and ``real``: the trained target's own, given as ``--target``; rounded to BF16 as vLLM
+  hands them over). Each variant runs its own context_proj and
   its own context-KV projections, so quantizing them is measured, not excluded. Anchors come from a
   real token stream (``--corpus``); embedding and lm_head are the target's, shared and unquantized.
 - The block backbone is one parallel pass per block. The Markov head is rolled out sequentially in

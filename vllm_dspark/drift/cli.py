@@ -15,6 +15,7 @@ import vllm_dspark.drift as drift_pkg
 from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import FP8_RECIPE
 from vllm_dspark.drift.harness import default_variants
+from vllm_dspark.drift.regimes import DEFAULT_REGIMES, REGIMES
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, staged
 from vllm_dspark.tools.cli import ArgumentParser
@@ -63,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--regimes",
         nargs="+",
-        default=["gauss", "heavy", "boot"],
-        choices=["gauss", "heavy", "boot"],
-        help="aux hidden-state regimes (default: all three)",
+        default=list(DEFAULT_REGIMES),
+        choices=list(REGIMES),
+        help="aux hidden-state regimes (default: " + " ".join(DEFAULT_REGIMES) + "); real runs "
+        "the target model given as --target over the corpus",
     )
     parser.add_argument(
         "--blocks", type=int, default=1024, help="blocks per regime and position (default 1024)"
@@ -97,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--target",
         default=None,
-        help="the target's directory (shared embedding and lm_head; default MODEL/target)",
+        help="the target's directory (shared embedding and lm_head; default MODEL/target); the "
+        "real regime needs the full target model here",
     )
     parser.add_argument(
         "--include-layers",

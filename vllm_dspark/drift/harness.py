@@ -40,7 +40,15 @@ from vllm_dspark.checkpoint.store import (
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.drift import corpus as corpus_mod
 from vllm_dspark.drift import metrics
-from vllm_dspark.drift.regimes import HEAVY_SIGMA, REGIMES, boot_aux, synthetic_aux
+from vllm_dspark.drift.regimes import (
+    DEFAULT_REGIMES,
+    HEAVY_SIGMA,
+    REGIMES,
+    boot_aux,
+    load_target,
+    synthetic_aux,
+    target_states,
+)
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.ops.sampling import markov_rollout
 from vllm_dspark.reference.drafter import ReferenceDrafter
@@ -66,7 +74,7 @@ class EvalSpec:
 
     model: str
     variants: tuple[str, ...] = field(default_factory=default_variants)
-    regimes: tuple[str, ...] = REGIMES
+    regimes: tuple[str, ...] = DEFAULT_REGIMES
     blocks: int = 1024
     batch_size: int = 32
     context_len: int = 32
@@ -97,9 +105,8 @@ class Blocks:
 
     windows: torch.Tensor  # [blocks, context_len + 1] int64
     source: str
-    boot: torch.Tensor | None = (
-        None  # [blocks, context_len, aux width] bf16, when the boot regime runs
-    )
+    # [blocks, context_len, aux width] bf16 per token-driven regime (boot, real) that runs
+    states: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def anchors(self) -> torch.Tensor:
@@ -123,8 +130,8 @@ def batches(
     dev = spec.device
     for start in range(0, spec.blocks, spec.batch_size):
         ids = np.arange(start, min(start + spec.batch_size, spec.blocks))
-        if regime == "boot":
-            aux = blocks.boot[ids]
+        if regime in blocks.states:
+            aux = blocks.states[regime][ids]
         else:
             aux = synthetic_aux(
                 regime,
@@ -153,16 +160,25 @@ def make_blocks(spec: EvalSpec, config: K3DSparkConfig, reference: ReferenceDraf
     starts = corpus_mod.window_starts(len(stream), window, spec.blocks, spec.seed)
     windows = torch.from_numpy(np.stack([stream[s : s + window] for s in starts]))
     blocks = Blocks(windows=windows, source=source)
-    if "boot" in spec.regimes:
+    makers = {"boot": lambda ids: boot_aux(reference, ids, config.num_target_layers)}
+    if "real" in spec.regimes:
+        target = load_target(
+            spec.target or Path(spec.model) / "target",
+            config.target_layer_ids,
+            config.target_hidden_size,
+            config.vocab_size,
+        ).to(spec.device)
+        makers["real"] = lambda ids: target_states(target, ids, config.target_layer_ids)[1]
+    for regime in (r for r in spec.regimes if r in makers):
         parts = []
         with tqdm(
-            total=spec.blocks, desc="boot aux states", unit="block", disable=not spec.progress
+            total=spec.blocks, desc=f"{regime} aux states", unit="block", disable=not spec.progress
         ) as bar:
             for start in range(0, spec.blocks, spec.batch_size):
                 ids = windows[start : start + spec.batch_size, :-1].to(spec.device)
-                parts.append(boot_aux(reference, ids, config.num_target_layers).cpu())
+                parts.append(makers[regime](ids).cpu())
                 bar.update(len(ids))
-        blocks.boot = torch.cat(parts)
+        blocks.states[regime] = torch.cat(parts)
     return blocks
 
 

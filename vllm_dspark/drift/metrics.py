@@ -79,6 +79,24 @@ def prefix_run_length(agree: np.ndarray) -> np.ndarray:
     return acceptance_ceiling(agree)
 
 
+def auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Area under the ROC curve of ``scores`` for boolean ``labels`` (Mann-Whitney, ties count half);
+    NaN when either class is empty."""
+    scores = np.asarray(scores, dtype=np.float64).ravel()
+    labels = np.asarray(labels, dtype=bool).ravel()
+    pos, neg = int(labels.sum()), int((~labels).sum())
+    if pos == 0 or neg == 0:
+        return float("nan")
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(len(scores))
+    sorted_scores = scores[order]
+    # Average ranks over ties: each run of equal scores gets the mean of its positions.
+    starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
+    ends = np.r_[starts[1:], len(scores)]
+    ranks[order] = np.repeat((starts + ends + 1) / 2.0, ends - starts)
+    return float((ranks[labels].sum() - pos * (pos + 1) / 2.0) / (pos * neg))
+
+
 def pearson_r(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Pearson correlation over the last axis; NaN where either side is constant."""
     x = np.asarray(x, dtype=np.float64)

@@ -144,7 +144,8 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> torch.Tensor:
         """Block ``x [B, N, H]`` (normed) at ``positions [B, N]`` attends over ``[context ; block]`` latents.
 
-        ``context_latent [B, T, kv_lora_rank + rope]``; ``key_mask [B, T + N]`` marks valid keys.
+        ``context_latent [B, T, kv_lora_rank + rope]``; ``key_mask [B, T + N]`` marks valid keys,
+        or ``[B, N, T + N]`` per query (several blocks sharing one context, as in training).
         """
         batch, block, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -166,7 +167,8 @@ class MultiHeadLatentAttention(nn.Module):
         """
         wide = torch.promote_types(q.dtype, torch.float32)
         scores = torch.einsum(equation, q.to(wide), k.to(wide)) * self.scale
-        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+        per_query = key_mask[:, None] if key_mask.dim() == 3 else key_mask[:, None, None, :]
+        scores = scores.masked_fill(~per_query, float("-inf"))
         return scores.softmax(dim=-1).to(q.dtype)
 
     def _attend_naive(self, q_nope, q_pe, latents, key_mask) -> torch.Tensor:
@@ -449,6 +451,33 @@ class ReferenceDrafter(nn.Module):
         for layer, context_latent in zip(self.layers, context_kv):
             x = layer(x, block_positions, context_latent, key_mask, absorbed)
         return self.final_norm(x)
+
+    def blocks_hidden(
+        self, token_ids: torch.Tensor, anchor_positions: torch.Tensor, context_kv: torch.Tensor
+    ) -> torch.Tensor:
+        """Training's block-parallel pass: ``[B, A, N, H]`` hidden states of A blocks per sequence.
+
+        ``token_ids [B, T]`` is the text, ``anchor_positions [B, A]`` (>= 1) its anchors and
+        ``context_kv [L, B, T, latent]`` the latents of all ``T`` positions. Block ``a`` is
+        ``[token at anchor ; mask x (N-1)]`` at positions ``anchor .. anchor + N - 1``; it sees the
+        context before its anchor and its own slots, never another block (DeepSpec's DSpark mask).
+        """
+        batch, num_anchors = anchor_positions.shape
+        block, length = self.config.block_size, token_ids.shape[1]
+        anchors = token_ids.gather(1, anchor_positions)
+        ids = self.block_input_ids(anchors.flatten()).view(batch, num_anchors * block)
+        device = token_ids.device
+        positions = (anchor_positions[..., None] + torch.arange(block, device=device)).view(
+            batch, -1
+        )
+        context = torch.arange(length, device=device) < anchor_positions[..., None]  # [B, A, T]
+        own = torch.eye(num_anchors, dtype=torch.bool, device=device).repeat_interleave(block, 0)
+        own = own.repeat_interleave(block, 1).expand(batch, -1, -1)
+        key_mask = torch.cat([context.repeat_interleave(block, 1), own], dim=2)
+        x = self.embed_tokens(ids, self.compute_dtype)
+        for layer, context_latent in zip(self.layers, context_kv):
+            x = layer(x, positions, context_latent, key_mask, False)
+        return self.final_norm(x).view(batch, num_anchors, block, -1)
 
     def causal_states(self, token_ids: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
         """The residual stream ``[B, T, H]`` after the embedding and after each layer, with the layers

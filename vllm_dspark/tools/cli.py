@@ -56,6 +56,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "vllm_dspark.drift.cli",
         "measure a quantized drafter's drift from the FP32 reference",
     ),
+    "train-pair": (
+        "vllm_dspark.tools.train_pair",
+        "train a small MLA target and its DSpark drafter on the Python stdlib (CPU, reproducible)",
+    ),
+    "accept": (
+        "vllm_dspark.tools.accept",
+        "measure a drafter's acceptance length against its target, per format",
+    ),
     "doctor": (
         "vllm_dspark.doctor.cli",
         "check a --speculative-config against the drafter and this machine",
