@@ -168,7 +168,3 @@ def write_result(
     (out_dir / f"{name}.md").write_text(table + "\n")
     print(table)
     return path
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
