@@ -11,8 +11,9 @@ Four ways to run one FP8 compressed-tensors linear, at batch 1 and at a 7-token 
 - ``dequant-per-call``: dequantising the FP8 weight on every call, which is why the kernel does
   it once.
 
-Achieved bandwidth counts the BF16 weight bytes each call streams, next to a memory-copy bandwidth
-measured in the same run.
+Each path is paired with the ``bf16`` baseline, call by call (:func:`benchmarks.common.paired`);
+the table gives the median ratio and its spread. Achieved bandwidth counts the BF16 weight bytes
+each call streams (median time), next to a memory-copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import best_time, format_table, memcpy_bandwidth, write_result
+from benchmarks.common import (
+    MIN_PAIRS,
+    format_table,
+    memcpy_bandwidth,
+    paired,
+    spread_text,
+    timed,
+    write_result,
+)
 from vllm_dspark.checkpoint.layout import FP8_RECIPE, checkpoint_modules
 from vllm_dspark.checkpoint.presets import preset_config, preset_config_json
 
@@ -107,7 +116,7 @@ def _bf16_layer(weight: torch.Tensor) -> torch.nn.Module:
     return layer
 
 
-def run(preset: str = "k3", repeats: int = 5, tokens: tuple[int, ...] = (1, 7)) -> dict:
+def run(preset: str = "k3", pairs: int = MIN_PAIRS, tokens: tuple[int, ...] = (1, 7)) -> dict:
     from vllm.model_executor.layers.utils import cpu_unquantized_gemm
 
     from vllm_dspark.checkpoint.formats import dequantize_weight, quantize_weight
@@ -136,9 +145,25 @@ def run(preset: str = "k3", repeats: int = 5, tokens: tuple[int, ...] = (1, 7)) 
             with torch.inference_mode():
                 ref = paths["dequant-bf16"]().float()
                 err = (paths["plugin"]().float() - ref).norm() / ref.norm()
-                times = {name: best_time(fn, repeats=repeats) for name, fn in paths.items()}
-            base = times["bf16"]
-            for name, seconds in times.items():
+                base = timed(paths["bf16"])
+                results = {
+                    name: paired(timed(fn), base, pairs=pairs)
+                    for name, fn in paths.items()
+                    if name != "bf16"
+                }
+            # The baseline's own row: its seconds over every pair above.
+            bf16_seconds = sorted(
+                r["baseline"]["seconds"]
+                for result in results.values()
+                for r in result["runs"]
+                if not r["warmup"]
+            )
+            for name, result in [("bf16", None), *results.items()]:
+                seconds = (
+                    bf16_seconds[len(bf16_seconds) // 2]
+                    if result is None
+                    else result["step_seconds"]["median"]
+                )
                 rows.append(
                     {
                         "module": kind,
@@ -146,13 +171,16 @@ def run(preset: str = "k3", repeats: int = 5, tokens: tuple[int, ...] = (1, 7)) 
                         "tokens": t,
                         "path": name,
                         "ms": 1e3 * seconds,
-                        "vs bf16": seconds / base,
+                        "vs bf16": "1"
+                        if result is None
+                        else spread_text(result["ratio"], unit="×"),
                         "GB/s": weight_bytes / seconds / 1e9,
                         "memcpy GB/s": bandwidth,
                         "plugin rel. error vs dequant-bf16": float(err),
+                        "paired": result,
                     }
                 )
-    return {"preset": preset, "repeats": repeats, "memcpy_gbps": bandwidth, "rows": rows}
+    return {"preset": preset, "pairs": pairs, "memcpy_gbps": bandwidth, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,13 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--preset", default="k3", help="layer shapes of this preset (default: the real k3)"
     )
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=MIN_PAIRS, help="timed pairs per path")
     args = parser.parse_args(argv)
     with _bf16_drafter_config(args.preset):
-        result = run(args.preset, args.repeats)
+        result = run(args.preset, args.pairs)
     table = format_table(
         result["rows"],
         ["module", "shape", "tokens", "path", "ms", "vs bf16", "GB/s", "memcpy GB/s"],
+    ) + (
+        f"\n\nms: median; vs bf16: median (min–max) of {args.pairs} pairs (path, bf16) after "
+        "1 warm-up pair; bf16's own ms: the median of its runs in every pair."
     )
     write_result("fp8_linear", result, table)
     return 0

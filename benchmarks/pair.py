@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=512, help="eval blocks in the real regime")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
-    pair, out = args.pair, args.out / "pair"
+    # Paths relative to the working directory: results record where the pair is, not this machine.
+    pair, out = Path(os.path.relpath(args.pair)), args.out / "pair"
     prompts = json.loads((pair / "heldout_prompts.json").read_text())["prompts"][: args.prompts]
     variants = ["bf16", "fp8", "mxfp4", "nvfp4"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,33 +1,43 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Quantizer throughput and peak RSS, next to a plain safetensors copy of the same checkpoint.
+"""Quantizer wall time and peak RSS, paired with a plain safetensors copy of the same checkpoint.
 
-Both steps run in the same benchmark run, each in its own subprocess so that each peak RSS is its
-own: the copy loads every shard with ``safetensors.torch.load_file`` and writes it back with
-``save_file``; the quantizer is ``vllm-dspark quantize`` (``quantize_checkpoint``). Both carry the
-target's shared heads (``target/``) along. Throughput is GB of drafter input tensors per wall
-second, the same numerator for both, so the ratio is the cost of quantizing, SNR measurement
-included. Then ``vllm-dspark check`` verifies the output.
+The two alternate (quantize, copy, quantize, copy, ...; :func:`benchmarks.common.paired`), each in
+its own subprocess so that each peak RSS is its own: the copy loads every shard with
+``safetensors.torch.load_file`` and writes it back with ``save_file``; the quantizer is
+``vllm-dspark quantize`` (``quantize_checkpoint``). Both carry the target's shared heads
+(``target/``) and the JSON files along. Throughput is GB of drafter input tensors per wall second,
+the same numerator for both, so the ratio is the cost of quantizing, SNR measurement included.
+Then ``vllm-dspark check`` verifies the last output. Goal: the worst pair within 1.3x.
 
-The ``k3`` preset (6.6 GiB of BF16 input, random weights at the real shapes) needs ~15 GiB of free
-disk and should run under ``flock /tmp/k3.lock`` on shared machines:
+The ``k3`` preset (6.6 GiB of BF16 input, random weights at the real shapes) needs ~32 GiB of free
+disk (input with its target heads, one quantized output, one copy) and takes ~10 minutes (~5
+with ``--model``) on two cores; run it under ``flock /tmp/k3.lock`` on shared machines:
 
-    flock /tmp/k3.lock python -m benchmarks.quantizer --preset k3 [--model /tmp/k3]
+    flock /tmp/k3.lock python -m benchmarks quantizer [--model /tmp/k3] [--pairs 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import format_table, write_result
+from benchmarks.common import (
+    MIN_PAIRS,
+    format_table,
+    in_subprocess,
+    meets,
+    paired,
+    spread_text,
+    write_result,
+)
 from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.presets import PRESETS
 from vllm_dspark.checkpoint.store import human_bytes, human_params
@@ -49,20 +59,10 @@ def _copy(model_dir: Path, out_dir: Path) -> None:
 
 
 def _quantize(model_dir: Path, out_dir: Path, fmt: str, workers: int) -> None:
+    """The step: ``vllm-dspark quantize``."""
     from vllm_dspark.checkpoint.quantize import quantize_checkpoint
 
     quantize_checkpoint(model_dir, out_dir, fmt, workers=workers, progress=False)
-
-
-def _step(name: str, *args: str) -> dict[str, float]:
-    """Run one step in a fresh interpreter; its wall seconds (imports excluded) and peak RSS."""
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.quantizer", "--step", name, *args],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _run_step(argv: list[str]) -> None:
@@ -91,20 +91,39 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+GOAL = 1.3  # quantize within this many times a copy, worst pair
+
+
+def _fresh(name: str, model_dir: Path, out_dir: Path, *args: str):
+    """Step ``name`` in a fresh interpreter, writing into an emptied ``out_dir`` (the last one stays)."""
+    measure = in_subprocess(
+        ["-m", "benchmarks.quantizer", "--step", name, str(model_dir), str(out_dir), *args]
+    )
+
+    def run() -> dict[str, Any]:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        return measure()
+
+    return run
+
+
 def run(
     preset: str = "k3",
     fmt: str = "fp8",
-    workers: int = 1,
+    workers: int | None = None,
     *,
     model_dir: str | Path | None = None,
     work_dir: str | Path | None = None,
+    pairs: int = MIN_PAIRS,
+    warmup: int = 1,
 ) -> dict[str, Any]:
-    """Measure copy and quantize on ``model_dir`` (default: a fresh make-random ``preset`` checkpoint)."""
+    """Pair quantize with copy on ``model_dir`` (default: a fresh make-random ``preset`` checkpoint)."""
     from vllm_dspark.checkpoint.check import check_checkpoint
     from vllm_dspark.checkpoint.layout import checkpoint_modules
     from vllm_dspark.checkpoint.make_random import make_random
     from vllm_dspark.checkpoint.store import load_config, stored_tensors
 
+    workers = len(os.sched_getaffinity(0)) if workers is None else workers
     with tempfile.TemporaryDirectory(prefix="bench-quantizer-", dir=work_dir) as tmp:
         tmp = Path(tmp)
         if model_dir is None:
@@ -112,23 +131,34 @@ def run(
         model_dir = Path(model_dir)
         stored = stored_tensors(model_dir)
         input_bytes = sum(t.nbytes for t in stored.values())
-        copy = _step("copy", str(model_dir), str(tmp / "copy"))
+        quantized = tmp / "quantized"
+        result = paired(
+            _fresh("quantize", model_dir, quantized, fmt, str(workers)),
+            _fresh("copy", model_dir, tmp / "copy"),
+            pairs=pairs,
+            warmup=warmup,
+            progress=f"quantizer {preset}",
+        )
         shutil.rmtree(tmp / "copy")
-        quantize = _step("quantize", str(model_dir), str(tmp / "quantized"), fmt, str(workers))
-        report = json.loads((tmp / "quantized" / "quantization_report.json").read_text())
-        check = check_checkpoint(tmp / "quantized")
-        modules = len(checkpoint_modules(load_config(tmp / "quantized")))
-    for step in (copy, quantize):
-        step["input_gb_per_s"] = input_bytes / step["seconds"] / 1e9
+        report = json.loads((quantized / "quantization_report.json").read_text())
+        check = check_checkpoint(quantized)
+        modules = len(checkpoint_modules(load_config(quantized)))
+    for r in result["runs"]:
+        for step in (r["step"], r["baseline"]):
+            step["input_gb_per_s"] = input_bytes / step["seconds"] / 1e9
+    timed = [r for r in result["runs"] if not r["warmup"]]
     return {
         "preset": preset,
         "format": fmt,
         "workers": workers,
         "input_bytes": input_bytes,
         "largest_tensor_bytes": max(t.nbytes for t in stored.values()),
-        "copy": copy,
-        "quantize": quantize,
-        "quantize_vs_copy_seconds": quantize["seconds"] / copy["seconds"],
+        "goal_ratio": GOAL,
+        "meets_goal": meets(result, GOAL),
+        "quantize_vs_copy": result["ratio"],
+        "quantize_peak_rss_bytes": max(r["step"]["peak_rss_bytes"] for r in timed),
+        "copy_peak_rss_bytes": max(r["baseline"]["peak_rss_bytes"] for r in timed),
+        **result,
         "quantization": report["overall"],
         "check": {
             "ok": check.ok,
@@ -141,27 +171,35 @@ def run(
 
 
 def table(result: dict[str, Any]) -> str:
-    rows = [
-        {
-            "step": "safetensors copy (load_file + save_file)",
-            "seconds": result["copy"]["seconds"],
-            "input GB/s": result["copy"]["input_gb_per_s"],
-            "peak RSS GiB": result["copy"]["peak_rss_bytes"] / 2**30,
-            "time vs copy": 1.0,
-        },
-        {
-            "step": f"vllm-dspark quantize {result['format']} (--workers {result['workers']})",
-            "seconds": result["quantize"]["seconds"],
-            "input GB/s": result["quantize"]["input_gb_per_s"],
-            "peak RSS GiB": result["quantize"]["peak_rss_bytes"] / 2**30,
-            "time vs copy": result["quantize_vs_copy_seconds"],
-        },
-    ]
+    gb = result["input_bytes"] / 1e9
+    timed = [r for r in result["runs"] if not r["warmup"]]
+    rows = []
+    for side, label, ratio in (
+        ("baseline", "safetensors copy (load_file + save_file)", "1"),
+        (
+            "step",
+            f"vllm-dspark quantize {result['format']} (--workers {result['workers']})",
+            spread_text(result["ratio"], unit="×"),
+        ),
+    ):
+        seconds = result[f"{side}_seconds"]
+        rows.append(
+            {
+                "step": label,
+                "seconds: median (min–max)": spread_text(seconds, ".4g"),
+                "input GB/s (median)": gb / seconds["median"],
+                "peak RSS GiB (max)": max(r[side]["peak_rss_bytes"] for r in timed) / 2**30,
+                "time vs copy: median (min–max)": ratio,
+            }
+        )
     q, c = result["quantization"], result["check"]
     return "\n".join(
         [
-            format_table(rows, ["step", "seconds", "input GB/s", "peak RSS GiB", "time vs copy"]),
+            format_table(rows, list(rows[0])),
             "",
+            f"{result['pairs']} pairs (quantize, copy) after {result['warmup']} warm-up pair, "
+            f"each run in its own process; goal {result['goal_ratio']}× in the worst pair: "
+            f"{'met' if result['meets_goal'] else 'not met'}. "
             f"`{result['preset']}` preset: {human_params(q['params_quantized'])} of {human_params(q['params_total'])} params "
             f"quantized, {human_bytes(q['bytes_before'])} -> {human_bytes(q['bytes_after'])}, weight SNR mean "
             f"{q['snr_db_mean']:.1f} dB (min {q['snr_db_min']:.1f}); largest tensor {human_bytes(result['largest_tensor_bytes'])}; "
@@ -183,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--preset", choices=list(PRESETS), default="k3")
     parser.add_argument("--format", choices=formats.names(), default="fp8")
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument(
+        "--workers", type=int, default=None, help="quantize --workers (default: one per core)"
+    )
+    parser.add_argument("--pairs", type=int, default=MIN_PAIRS, help="timed pairs")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed pairs first")
     parser.add_argument(
         "--model",
         type=Path,
@@ -198,7 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     result = run(
-        args.preset, args.format, args.workers, model_dir=args.model, work_dir=args.work_dir
+        args.preset,
+        args.format,
+        args.workers,
+        model_dir=args.model,
+        work_dir=args.work_dir,
+        pairs=args.pairs,
+        warmup=args.warmup,
     )
     write_result("quantizer", result, table(result))
     return 0

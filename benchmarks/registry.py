@@ -39,19 +39,19 @@ DRIFT_POSITIONS = (
 BENCHMARKS: dict[str, Benchmark] = {
     "reference": Benchmark(
         "benchmarks.reference_latency",
-        "reference drafter: one 7-token block, FP32 and BF16, GB/s vs memcpy",
+        "reference drafter: one 7-token block, FP32 and BF16, paired with streaming its weights",
         "reference_latency",
         "Reference drafter, one 7-token block at real shapes (`k3` preset)",
     ),
     "fp8-linear": Benchmark(
         "benchmarks.fp8_linear",
-        "FP8 weight-only linear on CPU: plugin kernel vs dequantised BF16 vs BF16",
+        "FP8 weight-only linear on CPU: plugin kernel vs dequantised BF16, each paired with BF16",
         "fp8_linear",
         "FP8 weight-only linear on CPU at the real layer shapes",
     ),
     "quantizer": Benchmark(
         "benchmarks.quantizer",
-        "quantizer throughput and peak RSS vs a plain safetensors copy",
+        "quantizer wall time and peak RSS, paired with a plain safetensors copy (k3: ~15 min)",
         "quantizer",
         "Quantizer throughput and peak memory (`k3` preset)",
     ),
@@ -64,7 +64,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     ),
     "register": Benchmark(
         "benchmarks.register_overhead",
-        "plugin import + register() cost per vLLM process",
+        "plugin import + register() per vLLM process, paired with importing vLLM",
         "register_overhead",
         "Plugin cost per vLLM process",
     ),

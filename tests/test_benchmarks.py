@@ -20,16 +20,17 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common import MIN_PAIRS, meets, paired, spread, spread_text
 from benchmarks.registry import BENCHMARKS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SMOKE_ARGS: dict[str, list[str]] = {
-    "reference": ["--preset", "tiny", "--repeats", "1", "--context-len", "8"],
-    "fp8-linear": ["--preset", "tiny", "--repeats", "1"],
-    "quantizer": ["--preset", "tiny"],
+    "reference": ["--preset", "tiny", "--pairs", "1", "--warmup", "0", "--context-len", "8"],
+    "fp8-linear": ["--preset", "tiny", "--pairs", "1"],
+    "quantizer": ["--preset", "tiny", "--pairs", "1", "--warmup", "0"],
     "drift-speed": ["--preset", "tiny", "--blocks", "4"],
-    "register": ["--samples", "1"],
+    "register": ["--pairs", "1", "--warmup", "0"],
     "drift": ["--preset", "tiny", "--blocks", "8"],
     "drift-positions": ["--preset", "tiny", "--blocks", "4"],
     "pair": ["--prompts", "2", "--max-tokens", "4", "--blocks", "4"],
@@ -45,33 +46,60 @@ def _close(actual: float, expected: float, what: str) -> None:
     assert math.isclose(actual, expected, rel_tol=1e-9), f"{what}: {actual} != {expected}"
 
 
-def check_arithmetic(name: str, result: dict) -> None:
+def check_paired(result: dict, *, committed: bool) -> None:
+    """A :func:`benchmarks.common.paired` result: every pair's ratio and the spreads, from its runs."""
+    runs = result["runs"]
+    assert len(runs) == result["warmup"] + result["pairs"]
+    assert [r["warmup"] for r in runs] == [True] * result["warmup"] + [False] * result["pairs"]
+    if committed:
+        assert result["pairs"] >= MIN_PAIRS
+    for r in runs:
+        _close(r["ratio"], r["step"]["seconds"] / r["baseline"]["seconds"], "pair ratio")
+    timed = [r for r in runs if not r["warmup"]]
+    for key, values in (
+        ("ratio", [r["ratio"] for r in timed]),
+        ("step_seconds", [r["step"]["seconds"] for r in timed]),
+        ("baseline_seconds", [r["baseline"]["seconds"] for r in timed]),
+    ):
+        assert result[key] == {
+            "median": statistics.median(values),
+            "min": min(values),
+            "max": max(values),
+        }, key
+
+
+def check_arithmetic(name: str, result: dict, *, committed: bool = True) -> None:
     """The derived figures of benchmark result ``name``, recomputed from its raw measurements."""
     if name == "fp8_linear":
         rows = result["rows"]
         assert rows
         for row in rows:
             n, k = map(int, row["shape"].split("x"))
-            key = (row["module"], row["tokens"], "bf16")
-            (bf16,) = [r for r in rows if (r["module"], r["tokens"], r["path"]) == key]
-            _close(row["vs bf16"], row["ms"] / bf16["ms"], f"{row['module']} {row['path']} vs bf16")
             _close(
                 row["GB/s"],
                 n * k * 2 / (row["ms"] / 1e3) / 1e9,
                 f"{row['module']} {row['path']} GB/s",
             )
+            if row["path"] == "bf16":
+                assert row["paired"] is None and row["vs bf16"] == "1"
+                continue
+            paired_result = row["paired"]
+            check_paired(paired_result, committed=committed)
+            _close(row["ms"], 1e3 * paired_result["step_seconds"]["median"], "ms")
+            assert row["vs bf16"] == spread_text(paired_result["ratio"], unit="×")
     elif name == "quantizer":
-        for step in ("copy", "quantize"):
-            _close(
-                result[step]["input_gb_per_s"],
-                result["input_bytes"] / result[step]["seconds"] / 1e9,
-                step,
-            )
-        _close(
-            result["quantize_vs_copy_seconds"],
-            result["quantize"]["seconds"] / result["copy"]["seconds"],
-            "ratio",
-        )
+        check_paired(result, committed=committed)
+        for r in result["runs"]:
+            for step in (r["step"], r["baseline"]):
+                _close(
+                    step["input_gb_per_s"],
+                    result["input_bytes"] / step["seconds"] / 1e9,
+                    "input GB/s",
+                )
+        assert result["quantize_vs_copy"] == result["ratio"]
+        assert result["meets_goal"] == (result["ratio"]["max"] <= result["goal_ratio"])
+        timed = [r for r in result["runs"] if not r["warmup"]]
+        assert result["quantize_peak_rss_bytes"] == max(r["step"]["peak_rss_bytes"] for r in timed)
         q = result["quantization"]
         _close(
             q["fraction_quantized"], q["params_quantized"] / q["params_total"], "fraction_quantized"
@@ -79,33 +107,28 @@ def check_arithmetic(name: str, result: dict) -> None:
         _close(q["gib_after"], q["bytes_after"] / 2**30, "gib_after")
         assert q["bytes_before"] == result["input_bytes"]
     elif name == "register_overhead":
-        median = result["median"]
-        for key in result["samples"][0]:
-            _close(
-                median[key], statistics.median(s[key] for s in result["samples"]), f"median {key}"
-            )
-        plugin_s = median["plugin_import_s"] + median["register_s"]
-        _close(median["plugin_total_ms"], 1e3 * plugin_s, "plugin_total_ms")
-        _close(
-            median["ratio_to_vllm_import"],
-            plugin_s / median["vllm_import_s"],
-            "ratio_to_vllm_import",
-        )
-        assert median["meets_goal"] == (1e3 * plugin_s < median["goal_ms"])
+        check_paired(result, committed=committed)
+        for r in result["runs"]:
+            step = r["step"]
+            _close(step["seconds"], step["plugin_import_s"] + step["register_s"], "plugin seconds")
+        _close(result["worst_ms"], 1e3 * result["step_seconds"]["max"], "worst_ms")
+        assert result["meets_goal"] == (result["worst_ms"] < result["goal_ms"])
     elif name == "reference_latency":
         assert result["weight_bytes_per_block"] == sum(result["weight_bytes_by_component"].values())
         for row in result["results"]:
-            _close(row["ms_per_token"], row["seconds"] * 1e3 / result["block_size"], "ms_per_token")
-            _close(
-                row["weight_GBps"],
-                result["weight_bytes_per_block"] / row["seconds"] / 1e9,
-                "weight_GBps",
-            )
-            _close(
-                row["fraction_of_memcpy"],
-                row["weight_GBps"] / result["memcpy_GBps"],
-                "fraction_of_memcpy",
-            )
+            check_paired(row, committed=committed)
+            seconds = row["step_seconds"]["median"]
+            _close(row["ms_per_token"], seconds * 1e3 / result["block_size"], "ms_per_token")
+            _close(row["weight_GBps"], result["weight_bytes_per_block"] / seconds / 1e9, "GB/s")
+            assert row["meets_goal"] == (row["ratio"]["max"] <= row["goal_ratio"])
+            for r in row["runs"]:
+                _close(
+                    r["baseline"]["seconds"],
+                    r["baseline"]["memcpy_seconds"]
+                    * result["weight_bytes_per_block"]
+                    / (2 * result["memcpy_bytes"]),
+                    "streaming seconds",
+                )
     elif name in ("drift", "drift_positions", "drift_speed"):
         timing, config = result["timing"], result["config"]
         evaluated = (
@@ -167,7 +190,7 @@ def test_benchmark_runs_at_the_tiny_preset(name: str, tmp_path: Path) -> None:
     result = json.loads((tmp_path / f"{result_name}.json").read_text())
     assert result["benchmark"] == result_name
     assert "environment" in result
-    check_arithmetic(result_name, result)
+    check_arithmetic(result_name, result, committed=False)
     table = (tmp_path / f"{result_name}.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("|")]
     assert len(rows) >= 3, table  # header, separator and at least one row
@@ -188,3 +211,59 @@ def test_readme_benchmark_section_is_generated_from_committed_results() -> None:
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
+
+
+def _recorder(log: list[str], name: str, seconds: list[float]):
+    """A cheap step that logs its calls and reports the next of ``seconds``."""
+    it = iter(seconds)
+
+    def step() -> dict:
+        log.append(name)
+        return {"seconds": next(it)}
+
+    return step
+
+
+def test_paired_alternates_step_and_baseline_after_the_warmup() -> None:
+    log: list[str] = []
+    result = paired(
+        _recorder(log, "A", [9.0, 2, 3, 4, 5, 6]),
+        _recorder(log, "B", [1.0, 1, 2, 1, 1, 2]),
+        pairs=5,
+        warmup=1,
+    )
+    assert log == ["A", "B"] * 6
+    assert [r["warmup"] for r in result["runs"]] == [True] + [False] * 5
+    # The warm-up pair (9x) is kept in the runs but not in the figures.
+    assert [r["ratio"] for r in result["runs"]] == [9.0, 2.0, 1.5, 4.0, 5.0, 3.0]
+    assert result["ratio"] == {"median": 3.0, "min": 1.5, "max": 5.0}
+    assert result["step_seconds"] == {"median": 4, "min": 2, "max": 6}
+    assert result["baseline_seconds"] == {"median": 1, "min": 1, "max": 2}
+    check_paired(result, committed=True)
+
+
+def test_spread_of_an_even_count_takes_the_middle_pair_mean() -> None:
+    assert spread([4.0, 1.0, 3.0, 2.0]) == {"median": 2.5, "min": 1.0, "max": 4.0}
+
+
+def test_a_goal_is_met_only_if_the_worst_pair_meets_it() -> None:
+    log: list[str] = []
+    result = paired(
+        _recorder(log, "A", [1.0, 1.0, 1.0, 1.0, 1.0, 1.4]),
+        _recorder(log, "B", [1.0] * 6),
+        pairs=5,
+    )
+    assert result["ratio"]["median"] == 1.0  # the median meets 1.3x ...
+    assert not meets(result, 1.3)  # ... but one pair took 1.4x
+    assert meets(result, 1.4)
+
+
+def test_paired_timed_steps_in_this_process() -> None:
+    from benchmarks.common import timed
+
+    log: list[str] = []
+    result = paired(timed(lambda: log.append("A")), timed(lambda: log.append("B")), pairs=2)
+    assert log == ["A", "B"] * 3
+    assert all(r["step"]["seconds"] >= 0 and r["baseline"]["seconds"] > 0 for r in result["runs"])
+    with pytest.raises(ValueError, match="pairs must be at least 1"):
+        paired(timed(lambda: None), timed(lambda: None), pairs=0)

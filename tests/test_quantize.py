@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from compressed_tensors.quantization import QuantizationStrategy
+from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors import safe_open
 
 from vllm_dspark.checkpoint import formats
@@ -122,9 +124,30 @@ def test_output_is_a_complete_checkpoint(drafters, quantized) -> None:
     assert not list(out_dir.parent.glob(".*partial*"))
 
 
+def test_fp8_is_bit_identical_to_compressed_tensors(drafters, quantized) -> None:
+    """The fused, chunked FP8 path writes what compressed-tensors' own quantizer gives for every
+    quantized tensor: its channel-wise qparams and its naive compressor, on the whole weight."""
+    fp8 = formats.get("fp8")
+    args = fp8.scheme.weights
+    assert args.strategy == QuantizationStrategy.CHANNEL and fp8.scheme.format == "naive-quantized"
+    source, written = _tensors(drafters["small"]), _tensors(quantized["small", "fp8"])
+    report = json.loads((quantized["small", "fp8"] / f"{REPORT_NAME}.json").read_text())
+    assert len(report["modules"]) > 20
+    for row in report["modules"]:
+        name = row["module"]
+        weight = source[f"{name}.weight"].float()
+        scale, _ = calculate_qparams(
+            weight.amin(dim=1, keepdim=True), weight.amax(dim=1, keepdim=True), args
+        )
+        expected = fp8.compressor.compress({"weight": weight, "weight_scale": scale}, fp8.scheme)
+        assert expected.keys() == {"weight", "weight_scale"}
+        for suffix, tensor in expected.items():
+            assert _same_bytes(written[f"{name}.{suffix}"], tensor), f"{name}.{suffix}"
+
+
 def test_workers_give_the_same_bytes(drafters, quantized, tmp_path: Path) -> None:
     out_dir = tmp_path / "workers"
-    quantize_checkpoint(drafters["small"], out_dir, "nvfp4", workers=3, progress=False)
+    quantize_checkpoint(drafters["small"], out_dir, "nvfp4", workers=1, progress=False)
     serial, parallel = _tensors(quantized["small", "nvfp4"]), _tensors(out_dir)
     assert serial.keys() == parallel.keys()
     assert all(_same_bytes(serial[k], parallel[k]) for k in serial)

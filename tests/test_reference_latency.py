@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """benchmarks/reference_latency.py at the tiny preset: the run completes, its byte accounting is the
-checkpoint's arithmetic, and main() hands a table to write_result (intercepted: no result files)."""
+checkpoint's arithmetic, its baseline is a memcpy scaled to those bytes, and main() hands a table to
+write_result (intercepted: no result files)."""
 
 from __future__ import annotations
 
 import math
+
+import pytest
 
 import benchmarks.reference_latency as bench
 from vllm_dspark.checkpoint.layout import tensor_shapes
@@ -12,10 +15,8 @@ from vllm_dspark.checkpoint.presets import preset_config
 
 
 def test_run_reports_times_and_bytes_streamed(monkeypatch) -> None:
-    monkeypatch.setattr(
-        bench, "memcpy_bandwidth", lambda: 12.5
-    )  # a 256 MiB copy is the slow part; not tested here
-    result = bench.run("tiny", 1, context_len=8)
+    monkeypatch.setattr(bench, "_MEMCPY_BYTES", 1 << 20)  # a 256 MiB copy is the slow part
+    result = bench.run("tiny", 1, warmup=0, context_len=8)
     config = preset_config("tiny")
     shapes = tensor_shapes(config)
     bf16 = 2
@@ -38,21 +39,24 @@ def test_run_reports_times_and_bytes_streamed(monkeypatch) -> None:
     assert result["weight_bytes_per_block"] == sum(components.values())
     assert [r["compute"] for r in result["results"]] == ["fp32", "bf16"]
     for row in result["results"]:
-        assert row["seconds"] > 0
-        assert row["weight_GBps"] == result["weight_bytes_per_block"] / row["seconds"] / 1e9
-    assert result["memcpy_GBps"] == 12.5
-    assert result["results"][0]["fraction_of_memcpy"] == result["results"][0]["weight_GBps"] / 12.5
+        (pair,) = row["runs"]
+        assert pair["step"]["seconds"] > 0
+        assert pair["baseline"]["seconds"] == pytest.approx(
+            pair["baseline"]["memcpy_seconds"] * result["weight_bytes_per_block"] / (2 << 20)
+        )
+        assert (
+            row["weight_GBps"] == result["weight_bytes_per_block"] / pair["step"]["seconds"] / 1e9
+        )
 
 
 def test_main_writes_one_result(monkeypatch) -> None:
     written = {}
-    monkeypatch.setattr(bench, "memcpy_bandwidth", lambda: 12.5)
+    monkeypatch.setattr(bench, "_MEMCPY_BYTES", 1 << 20)
     monkeypatch.setattr(
         bench, "write_result", lambda name, payload, table: written.update(name=name, table=table)
     )
-    assert bench.main(["--preset", "tiny", "--repeats", "1", "--context-len", "8"]) == 0
+    argv = ["--preset", "tiny", "--pairs", "1", "--warmup", "0", "--context-len", "8"]
+    assert bench.main(argv) == 0
     assert written["name"] == "reference_latency"
-    assert (
-        "| preset | compute | seconds |" in written["table"]
-        and "| tiny | bf16 |" in written["table"]
-    )
+    assert "| compute | block s: median (min–max) |" in written["table"]
+    assert "| BF16 |" in written["table"] and "`tiny` preset" in written["table"]

@@ -4,8 +4,8 @@
 Writes the compressed-tensors format vLLM's loader reads: the included linears are replaced by
 their quantized tensors (:mod:`vllm_dspark.checkpoint.formats`), every other tensor is copied bit-identical,
 and config.json gains one ``quantization_config`` with index-agnostic ``re:`` targets (vLLM
-renumbers the draft layers after the target's). Tensors stream through one at a time, so peak
-memory stays near the largest tensor; ``--workers N`` quantizes N at once. A report
+renumbers the draft layers after the target's). Tensors stream through in row chunks on
+``--workers`` threads (default: one per core), so peak memory stays at a few chunks. A report
 (``quantization_report.json`` and ``.md``) gives params, sizes and weight SNR per module.
 No calibration, and SmoothQuant stays off: why is in the README ("Quantize and check a drafter").
 """
@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import signal
 import sys
+import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -38,7 +41,14 @@ from vllm_dspark.checkpoint.layout import (
     tensor_shapes,
 )
 from vllm_dspark.checkpoint.quant_plan import QuantPlanError, resolve
-from vllm_dspark.checkpoint.st_io import Entry, SafetensorsWriter, StoredTensor, read_tensor
+from vllm_dspark.checkpoint.st_io import (
+    Entry,
+    SafetensorsWriter,
+    StoredTensor,
+    pwrite_all,
+    read_rows,
+    read_tensor,
+)
 from vllm_dspark.checkpoint.store import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -54,8 +64,9 @@ from vllm_dspark.tools.cli import ArgumentParser
 
 REPORT_NAME = "quantization_report"
 
-_T = TypeVar("_T")
-_R = TypeVar("_R")
+# Input bytes per chunk: small enough that the quantizer's passes over it run in cache.
+_CHUNK_BYTES = 1 << 19
+_thread = threading.local()
 
 
 class Refusal(ValueError):
@@ -101,23 +112,6 @@ class _Plan:
     shards: dict[
         str, list[_Item]
     ]  # output shard name -> its tensors, as the input shards hold them
-
-
-def _ordered_map(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> Iterator[_R]:
-    """``map(fn, items)`` on ``workers`` threads, in order, computing at most ``workers`` ahead.
-
-    The caller writes each result while the threads compute the next ones, so I/O and compute
-    overlap even with one worker; threads suffice because torch releases the GIL in its kernels.
-    The bound keeps memory at a few tensors in flight instead of the whole model.
-    """
-    with ThreadPoolExecutor(workers, thread_name_prefix="quantize") as pool:
-        pending: deque = deque()
-        for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) > workers:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
 
 
 def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
@@ -172,38 +166,80 @@ def _read(source: StoredTensor, key: str) -> torch.Tensor:
 
 
 def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
-    """One global scale per fused group (gate/up per layer, q_a/kv_a across layers), for formats with one."""
+    """Each module's global scale, for formats with one: shared by a fused group (gate/up per layer,
+    q_a/kv_a across layers), else the module's own. Computed up front, as chunks cannot see the rest."""
     quantized = {
         item.module.name: item
         for item in items
         if item.fmt and formats.get(item.fmt).has_global_scale
     }
+    groups = list(fused_module_groups(quantized).values())
+    grouped = {m for members in groups for m in members}
+    groups += [[m] for m in quantized if m not in grouped]
     scales = {}
-    for members in fused_module_groups(quantized).values():
+    for members in groups:
         fmt = formats.get(quantized[members[0]].fmt)
         tensors = (_read(quantized[m].stored, quantized[m].key).to(device) for m in members)
         scales.update(dict.fromkeys(members, fmt.shared_global_scale(tensors)))
     return scales
 
 
-def _quantize(
-    item: _Item, device: str, global_scales: dict[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], ModuleStats]:
-    spec = item.module
-    weight = _read(item.stored, item.key).to(device)
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while threads start: an interrupt raised inside ``Thread.start``
+    would leave a thread that the executor's shutdown never joins, writing after the cleanup."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _rows(item: _Item) -> list[slice]:
+    """The row chunks one tensor streams in: one chunk for a format whose rows are not independent."""
+    shape = item.stored.shape
+    n = shape[0] if shape else 1
+    if item.fmt is not None and not formats.get(item.fmt).row_separable:
+        return [slice(0, n)]
+    step = max(1, _CHUNK_BYTES // max(item.stored.nbytes // max(n, 1), 1))
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def _chunk(
+    item: _Item,
+    rows: slice,
+    src: int,
+    fd: int,
+    offsets: dict[str, int],
+    device: str,
+    global_scales: dict[str, torch.Tensor],
+) -> tuple[float, float]:
+    """Read, quantize or check, and write one row chunk of one tensor; its error sums (0 if copied)."""
+    if not hasattr(_thread, "buffer"):  # one read buffer per thread: no fresh pages per chunk
+        _thread.buffer = torch.empty(_CHUNK_BYTES, dtype=torch.uint8)
+    x = read_rows(item.stored, rows, _thread.buffer, src)
+    if item.fmt is None:
+        # A float sum is finite unless a value is NaN or Inf (or the sum overflows: then look closer),
+        # and it is many times faster than isfinite on BF16.
+        if x.is_floating_point() and not math.isfinite(float(x.sum(dtype=torch.float32))):
+            _read(item.stored, item.key)  # raises, naming the tensor and counting its bad values
+        pwrite_all(fd, x, offsets[item.key] + rows.start * (x.nbytes // len(x)))
+        return 0.0, 0.0
     fmt = formats.get(item.fmt)
-    parts = fmt.quantize(weight, global_scale=global_scales.get(spec.name))
-    stats = ModuleStats(
-        module=spec.name,
-        kind=spec.kind,
-        layer=spec.layer,
-        format=item.fmt,
-        params=weight.numel(),
-        bytes_before=item.stored.nbytes,
-        bytes_after=sum(e.nbytes for e in item.outputs()),
-        snr_db=fmt.snr_db(weight, parts),
+    spec = item.module
+    parts, signal, noise = fmt.quantize_with_error(
+        x.to(device), global_scale=global_scales.get(spec.name)
     )
-    return {k: v.cpu() for k, v in parts.items()}, stats
+    if not math.isfinite(signal):  # a NaN or Inf weight, or a sum of squares that overflowed
+        _read(item.stored, item.key)
+    for suffix, part_spec in fmt.tensor_specs(spec.shape).items():
+        key = f"{spec.name}.{suffix}"
+        if len(part_spec.shape) == 2 and part_spec.shape[0] == spec.shape[0]:
+            row_bytes = math.prod(part_spec.shape[1:]) * part_spec.dtype.itemsize
+            pwrite_all(fd, parts[suffix], offsets[key] + rows.start * row_bytes)
+        elif rows.start == 0:  # a whole-tensor part (the global scale): every chunk has it
+            pwrite_all(fd, parts[suffix], offsets[key])
+    return signal, noise
 
 
 def _copy_other_files(model_dir: Path, staging: Path) -> None:
@@ -296,48 +332,85 @@ def _report_markdown(report: dict[str, Any]) -> str:
 def _write_quantized(
     plan: _Plan, staging: Path, fmt: str, device: str, workers: int, progress: bool
 ) -> dict[str, Any]:
-    """Stream every tensor of ``plan`` through the quantizer into ``staging``; returns the report."""
+    """Stream every tensor of ``plan`` through the quantizer into ``staging``; returns the report.
+
+    Each shard's header goes first; then ``workers`` threads each take row chunks in turn, read
+    them with ``pread``, quantize (or check) them and ``pwrite`` them into place, so memory stays
+    at a few chunks and every core is busy (torch and file I/O release the GIL).
+    """
     start = time.perf_counter()
     items = [item for shard_items in plan.shards.values() for item in shard_items]
     global_scales = _global_scales(items, device)
-
-    def work(item: _Item) -> tuple[dict[str, torch.Tensor], ModuleStats] | None:
-        if item.fmt is None:
-            _read(
-                item.stored, item.key
-            )  # copied bit-identical, but a non-finite one is refused all the same
-            return None
-        return _quantize(item, device, global_scales)
-
-    results = _ordered_map(work, items, workers)
     modules: list[ModuleStats] = []
     weight_map: dict[str, str] = {}
-    with tqdm(
-        total=sum(i.stored.nbytes for i in items),
-        unit="B",
-        unit_scale=True,
-        desc=f"quantize {fmt}",
-        disable=None if progress else True,
-    ) as bar:
+    with ExitStack() as stack:
+        shards = []
         for shard_name, shard_items in plan.shards.items():
             entries = [e for item in shard_items for e in item.outputs()]
-            with SafetensorsWriter(staging / shard_name, entries) as shard:
-                for item, result in zip(shard_items, results):
-                    if item.fmt is None:
-                        shard.copy(item.key, item.stored)
-                    else:
-                        parts, stats = result
-                        for suffix in formats.get(item.fmt).tensor_specs(item.module.shape):
-                            shard.write(f"{item.module.name}.{suffix}", parts[suffix])
-                        modules.append(stats)
-                    bar.update(item.stored.nbytes)
+            shard = stack.enter_context(SafetensorsWriter(staging / shard_name, entries))
+            shards.append((shard, shard.claim_rest(), shard_items))
             weight_map.update(dict.fromkeys((e.key for e in entries), shard_name))
+        sources = {}  # one descriptor per input file, so the kernel's readahead sees one stream
+        for path in dict.fromkeys(item.stored.path for item in items):
+            sources[path] = os.open(path, os.O_RDONLY)
+            stack.callback(os.close, sources[path])
+            os.posix_fadvise(sources[path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        pool = stack.enter_context(ThreadPoolExecutor(workers, thread_name_prefix="quantize"))
+        # Unwound first: on error, drop the chunks not started before the writers abort their files.
+        stack.callback(pool.shutdown, wait=True, cancel_futures=True)
+        with _signals_held():
+            jobs = [
+                (
+                    item,
+                    [
+                        pool.submit(
+                            _chunk,
+                            item,
+                            r,
+                            sources[item.stored.path],
+                            shard.fileno(),
+                            offsets,
+                            device,
+                            global_scales,
+                        )
+                        for r in _rows(item)
+                    ],
+                )
+                for shard, offsets, shard_items in shards
+                for item in shard_items
+            ]
+        with tqdm(
+            total=sum(i.stored.nbytes for i in items),
+            unit="B",
+            unit_scale=True,
+            desc=f"quantize {fmt}",
+            disable=None if progress else True,
+        ) as bar:
+            for item, chunks in jobs:
+                sums = [c.result() for c in chunks]
+                if item.fmt is not None:
+                    modules.append(_stats(item, *map(sum, zip(*sums))))
+                bar.update(item.stored.nbytes)
     total = sum(e.nbytes for item in items for e in item.outputs())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     (staging / CONFIG_NAME).write_text(json.dumps(plan.config_json, indent=2) + "\n")
     stored = {item.key: item.stored for item in items}
     return _summarise(fmt, plan.kinds, modules, stored, total, time.perf_counter() - start)
+
+
+def _stats(item: _Item, signal: float, noise: float) -> ModuleStats:
+    spec = item.module
+    return ModuleStats(
+        module=spec.name,
+        kind=spec.kind,
+        layer=spec.layer,
+        format=item.fmt,
+        params=math.prod(spec.shape),
+        bytes_before=item.stored.nbytes,
+        bytes_after=sum(e.nbytes for e in item.outputs()),
+        snr_db=formats.snr_db(signal, noise),
+    )
 
 
 def quantize_checkpoint(
@@ -347,7 +420,7 @@ def quantize_checkpoint(
     include_layers: Sequence[str] = FP8_RECIPE,
     *,
     device: str = "cpu",
-    workers: int = 1,
+    workers: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -358,6 +431,7 @@ def quantize_checkpoint(
     when complete, so a failed run leaves no half-written checkpoint.
     """
     model_dir, output_dir = Path(model_dir), Path(output_dir)
+    workers = len(os.sched_getaffinity(0)) if workers is None else workers
     if workers < 1:
         raise Refusal(f"--workers must be at least 1, got {workers}")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -369,11 +443,14 @@ def quantize_checkpoint(
     try:
         # Workers split the cores between them instead of each fanning out over all of them.
         torch.set_num_threads(max(1, threads // workers))
-        with staged(output_dir, directory=True) as staging:
+        with staged(output_dir, directory=True) as staging, ThreadPoolExecutor(1) as side:
+            # The other files (the target's heads: GiBs) copy in the kernel meanwhile.
+            with _signals_held():
+                others = side.submit(_copy_other_files, model_dir, staging)
             # Process-global: held for the run so no worker's own stance lapses while another's is set.
             with torch.compiler.set_stance("force_eager"):
                 report = _write_quantized(plan, staging, fmt, device, workers, progress)
-            _copy_other_files(model_dir, staging)
+            others.result()
             (staging / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2) + "\n")
             (staging / f"{REPORT_NAME}.md").write_text(_report_markdown(report))
     finally:
@@ -421,7 +498,10 @@ def main(argv: list[str] | None = None) -> int:
         "--device", default="cpu", choices=("cpu", "cuda"), help="where to quantize (default cpu)"
     )
     parser.add_argument(
-        "--workers", type=int, default=1, help="tensors quantized in parallel (default 1)"
+        "--workers",
+        type=int,
+        default=None,
+        help="threads streaming row chunks (default: one per core)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
     args = parser.parse_args(argv)

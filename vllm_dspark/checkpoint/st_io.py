@@ -41,6 +41,8 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 
+TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -143,6 +145,42 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
         return {key: reader.read(path, key) for key in read_header(path)}
 
 
+def read_rows(
+    source: StoredTensor, rows: slice, buffer: torch.Tensor | None = None, fd: int | None = None
+) -> torch.Tensor:
+    """Rows ``rows`` (of the first dimension) of a stored tensor, read with ``pread`` from ``fd``
+    (its file, opened by the caller so readahead follows a stream of chunks; else opened here),
+    into the front of ``buffer`` (uint8) when given. No memory map, so the pages read never count
+    towards this process's resident memory."""
+    n = source.shape[0] if source.shape else 1
+    row_bytes = source.nbytes // max(n, 1)
+    nbytes = row_bytes * (rows.stop - rows.start)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+    out = buffer[:nbytes]
+    view, offset = memoryview(out.numpy()), source.offset + rows.start * row_bytes
+    own = fd is None
+    fd = os.open(source.path, os.O_RDONLY) if own else fd
+    try:
+        while view:
+            got = os.preadv(fd, [view], offset)
+            if got == 0:
+                raise OSError(f"{source.path} ended inside a tensor at byte {offset}")
+            view, offset = view[got:], offset + got
+    finally:
+        if own:
+            os.close(fd)
+    return out.view(TORCH_DTYPES[source.dtype]).view(rows.stop - rows.start, *source.shape[1:])
+
+
+def pwrite_all(fd: int, tensor: torch.Tensor, offset: int) -> None:
+    """Write ``tensor``'s bytes at ``offset`` of the open file ``fd``."""
+    data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
 def _write_all(file, data: memoryview) -> None:
     while data:  # an unbuffered write may be partial (Linux caps one at 2 GiB)
         data = data[file.write(data) :]
@@ -168,6 +206,10 @@ class SafetensorsWriter:
             offset += e.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the format allows space padding; aligned data reads faster
+        self._data_start = 8 + len(raw)
+        self._offsets = {
+            key: e["data_offsets"][0] for key, e in header.items() if key != "__metadata__"
+        }
         self._staging = staged(self.path, directory=False)
         staging = self._staging.__enter__()
         self._file = open(staging, "wb", buffering=0)  # noqa: SIM115 - closed in close() / abort()
@@ -217,6 +259,17 @@ class SafetensorsWriter:
                     raise OSError(f"{source.path} ended inside tensor {key}")
                 offset += n
                 remaining -= n
+
+    def claim_rest(self) -> dict[str, int]:
+        """Claim every tensor not written yet for positional writes (``os.pwrite`` on :meth:`fileno`),
+        from any thread and in any order: ``{key: its file offset}``. Every byte must be written."""
+        claimed = {e.key: self._data_start + self._offsets[e.key] for e in self._pending}
+        self._written.update(claimed)
+        self._pending.clear()
+        return claimed
+
+    def fileno(self) -> int:
+        return self._file.fileno()
 
     def close(self) -> None:
         if self._pending:

@@ -120,15 +120,20 @@ def load_target(path: str | Path, layer_ids: Sequence[int], hidden: int, vocab: 
     return model.eval()
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def target_states(
-    model, token_ids: torch.Tensor, layer_ids: Sequence[int], cache=None
+    model,
+    token_ids: torch.Tensor,
+    layer_ids: Sequence[int],
+    cache=None,
+    *,
+    aux_dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logits [B, T, V] fp32, aux [B, T, W] bf16)`` of the target over ``token_ids [B, T]``
+    """``(logits [B, T, V] fp32, aux [B, T, W])`` of the target over ``token_ids [B, T]``
     (after ``cache``'s tokens): aux is the residual stream entering layers ``layer_ids + 1``, where
-    vLLM collects it (``hidden_states[i + 1]`` in transformers' numbering)."""
+    vLLM collects it (``hidden_states[i + 1]`` in transformers' numbering), in vLLM's BF16 by default."""
     out = model(
         token_ids, past_key_values=cache, use_cache=cache is not None, output_hidden_states=True
     )
     aux = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
-    return out.logits.float(), aux.to(torch.bfloat16)
+    return out.logits.float(), aux.to(aux_dtype)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from vllm_dspark.drift.regimes import target_states
 from vllm_dspark.tools.cli import ArgumentParser
 
 SPECIALS = ("<|endoftext|>", "<|pad|>", "<|mask|>")
@@ -215,14 +216,6 @@ def target_config(sizes: PairSizes, vocab_size: int):
     return config
 
 
-def aux_and_logits(target, ids: torch.Tensor, layer_ids: list[int]):
-    """The target's aux states ``[B, T, 5H]`` (outputs of ``layer_ids``, as vLLM taps them) and logits."""
-    out = target(input_ids=ids, output_hidden_states=True)
-    # hidden_states[0] is the embedding, so layer k's output is hidden_states[k + 1].
-    aux = torch.cat([out.hidden_states[k + 1] for k in layer_ids], dim=-1)
-    return aux, out.logits.float()
-
-
 def _schedule(steps: int):
     warmup = max(1, round(WARMUP * steps))
 
@@ -285,8 +278,9 @@ def drafter_loss(drafter, target, ids: torch.Tensor, anchors: torch.Tensor) -> d
     config = drafter.config
     batch, length = ids.shape
     block = config.block_size
-    with torch.no_grad():
-        aux, target_logits = aux_and_logits(target, ids, config.target_layer_ids)
+    target_logits, aux = target_states(
+        target, ids, config.target_layer_ids, aux_dtype=torch.float32
+    )
     positions = torch.arange(length).expand(batch, length)
     context_kv = drafter.context_kv(drafter.combine_hidden_states(aux), positions)
     hidden = drafter.blocks_hidden(ids, anchors, context_kv).flatten(0, 1)  # [B*A, N, H]
@@ -380,7 +374,9 @@ def greedy_acceptance(target, drafter, prompts: list[dict], new_tokens: int) -> 
         seq = torch.tensor([prompt["token_ids"]])
         for _ in range(new_tokens):
             seq = torch.cat([seq, target(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
-        aux, _ = aux_and_logits(target, seq, drafter.config.target_layer_ids)
+        _, aux = target_states(
+            target, seq, drafter.config.target_layer_ids, aux_dtype=torch.float32
+        )
         anchor = len(prompt["token_ids"])  # the first token the target sampled
         while anchor + block < seq.shape[1]:
             draft = drafter.draft(
