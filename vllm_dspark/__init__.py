@@ -8,7 +8,7 @@ is idempotent, imports nothing heavy and never touches CUDA.
 
 from __future__ import annotations
 
-from vllm_dspark.compat import check_vllm_version, fix_cpu_rotary_embedding
+from vllm_dspark.compat import check_vllm_version, fix_cpu_rotary_embedding_on_import
 from vllm_dspark.version import __version__ as __version__
 
 ARCHITECTURE = "K3DSparkModel"
@@ -49,7 +49,7 @@ def register() -> None:
     check_vllm_version(vllm.__version__)
     request_amx_permission()
     if current_platform.is_cpu():
-        fix_cpu_rotary_embedding()
+        fix_cpu_rotary_embedding_on_import()
     from vllm_dspark.config import register_config
 
     register_config()

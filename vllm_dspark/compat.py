@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import inspect
 import sys
 from collections.abc import Callable
@@ -286,6 +287,39 @@ def fix_cpu_rotary_embedding() -> None:
 
     setattr(forward_cpu, _WRAPPED_MARK, True)
     setattr(cls, name, forward_cpu)
+
+
+class _AfterImport:
+    """A ``sys.meta_path`` finder that runs ``action`` right after ``module`` is first executed."""
+
+    def __init__(self, module: str, action: Callable[[], None]) -> None:
+        self.module, self.action = module, action
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != self.module:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_then_act(module: Any) -> None:
+            exec_module(module)
+            self.action()
+
+        spec.loader.exec_module = exec_then_act
+        return spec
+
+
+def fix_cpu_rotary_embedding_on_import() -> None:
+    """:func:`fix_cpu_rotary_embedding` now if vLLM's RoPE module is loaded, else once it loads.
+
+    Importing that module costs most of a second, which ``register()`` must not add to every process.
+    """
+    module = CPU_ROTARY_EMBEDDING.target.partition(":")[0]
+    if module in sys.modules:
+        fix_cpu_rotary_embedding()
+    elif not any(getattr(f, "module", None) == module for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(module, fix_cpu_rotary_embedding))
 
 
 def k3_mla_backend(backend: type) -> contextlib.AbstractContextManager[Any]:
