@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's ``dspark`` speculator end to end on CPU: spec-decode counters and interpreter tokens/s.
 
-Runs ``tests/dspark_e2e.py --platform cpu`` (the run the end-to-end tests check: a tiny random MLA
-target, a random drafter made ``--like`` it, BF16 and FP8) and tabulates, per engine, vLLM's
-counters (drafts, drafted and accepted tokens, acceptance per position) and output tokens per
-second. The drafter is random, so acceptance is near zero: the figures show that drafting and
-verification ran, not how well a trained drafter drafts. Tokens/s are those of Model Runner V2
-under Triton's interpreter on this machine: context, not a goal.
+Runs ``tests/dspark_e2e.py --platform cpu`` (the run the end-to-end tests check: the trained pair of
+``tests/data/pair``, BF16 and FP8 drafters, on short held-out prompts) and tabulates, per engine,
+vLLM's counters (drafts, drafted and accepted tokens, acceptance per position) and output tokens per
+second. The acceptance is the engine's; ``vllm-dspark accept`` measures the same on these prompts
+(the tests check they agree). Tokens/s are those of Model Runner V2 under Triton's interpreter on
+this machine: context, not a goal.
 """
 
 from __future__ import annotations

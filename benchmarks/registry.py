@@ -72,7 +72,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         "benchmarks.e2e_cpu",
         "vLLM's dspark speculator end to end on CPU (Triton interpreter): counters, tok/s",
         "e2e_cpu",
-        "vLLM's `dspark` speculator end to end on CPU (tiny random models, Triton interpreter)",
+        "vLLM's `dspark` speculator end to end on CPU (the trained pair, Triton interpreter)",
         in_all=False,
     ),
     "pair": Benchmark(

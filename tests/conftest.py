@@ -92,8 +92,8 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def dspark_models(tmp_path_factory: pytest.TempPathFactory):
-    """The end-to-end models of ``tests/dspark_e2e.py``: a random 8-layer DeepSeek-V3 MLA target with a
-    word-level tokenizer (``w4 .. w4095``), a 2-layer drafter made ``--like`` it, and its FP8 build."""
+    """The end-to-end models of ``tests/dspark_e2e.py``: the trained pair (``tests/data/pair``) and
+    its drafter's FP8 build."""
     from tests.dspark_e2e import build_models
 
     return build_models(tmp_path_factory.mktemp("dspark_models"))

