@@ -102,3 +102,23 @@ def test_bad_input_is_one_line(tiny_llama_target, prompts, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is not the drafter's full target" in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_non_finite_logits_are_refused_not_accepted(prompts, tmp_path, capsys):
+    """A NaN weight gives NaN logits, whose argmax (token 0) would match the target's: refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(MODELS["drafter"], drafter)
+    shard = drafter / "model-00001-of-00001.safetensors"
+    tensors = load_file(shard)
+    tensors["layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    argv = ["accept", "--target", str(MODELS["target"]), "--drafter", str(drafter)]
+    argv += ["--prompts", str(prompts), "--max-tokens", "8", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err  # transformers' loading bar comes first
+    assert "Traceback" not in err and "NaN or infinite" in err.strip().splitlines()[-1], err
+    assert not (tmp_path / "out").exists()

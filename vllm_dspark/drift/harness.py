@@ -332,7 +332,7 @@ def confidence(
     return drafter.confidence(hidden, markov_embeds).float()
 
 
-_NON_FINITE_FIX = (
+NON_FINITE_FIX = (
     "its weights or the target heads hold NaN or Inf values, or scales overflow: run `vllm-dspark "
     "check` on it and re-export or re-quantize it"
 )
@@ -366,7 +366,7 @@ def reference_cell(
         rollout = markov_rollout(
             logits, batch.anchors, reference.markov_embed, reference.markov_bias
         )
-        require_finite(rollout.logits, "the reference's logits", _NON_FINITE_FIX)
+        require_finite(rollout.logits, "the reference's logits", NON_FINITE_FIX)
         out.logits[batch.ids[0] : batch.ids[-1] + 1] = rollout.logits.cpu().numpy()
         out.tokens.append(rollout.tokens)
         out.conf.append(confidence(reference, hidden, rollout.markov_embeds))
@@ -411,7 +411,7 @@ def variant_cell(
         del logits
         # NaN logits argmax to token 0 on both sides: refused, so they never count as agreement.
         for rollout in (free, forced_var):
-            require_finite(rollout.logits, f"variant {variant_name}'s logits", _NON_FINITE_FIX)
+            require_finite(rollout.logits, f"variant {variant_name}'s logits", NON_FINITE_FIX)
         div = _divergence(ref.batch_logits(batch).to(forced_var.logits.device), forced_var.logits)
         parts.append(
             metrics.BlockRecords(

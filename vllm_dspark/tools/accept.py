@@ -26,6 +26,8 @@ import torch
 from tqdm import tqdm
 
 from vllm_dspark.drift import metrics
+from vllm_dspark.drift.harness import NON_FINITE_FIX
+from vllm_dspark.safety import require_finite
 
 MODES = ("full", "scheduled")
 
@@ -127,6 +129,8 @@ class Target:
         from vllm_dspark.drift.regimes import target_states
 
         logits, aux = target_states(self.model, torch.tensor([ids]), self.layer_ids, self.cache)
+        # NaN logits argmax to token 0 on both sides: refused, so they never count as acceptance.
+        require_finite(logits, "the target's logits", NON_FINITE_FIX)
         return logits[0], aux[0]
 
     def keep(self, length: int) -> None:
@@ -202,6 +206,7 @@ def speculate(
             temperature=temperature,
             seeds=torch.tensor([seed]),
         )
+        require_finite(draft.logits, "the drafter's logits", NON_FINITE_FIX)
         drafts = draft.tokens[0]
         conf = draft.confidences[0] if draft.confidences is not None else None
         budget = len(drafts) if token_cost is None else adaptive_budget(conf, token_cost)
