@@ -3,7 +3,7 @@
 to benchmarks/results/.
 
 ``python -m benchmarks all`` runs the speed suite, each benchmark at the size whose results are
-committed (about 15 minutes on two cores). The two drift reports are quality measurements that need
+committed (about 17 minutes on two cores). The two drift reports are quality measurements that need
 hundreds of blocks for tight confidence intervals (about 55 and 40 minutes); they run by name.
 """
 

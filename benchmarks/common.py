@@ -3,12 +3,14 @@
 
 These machines are noisy and shared, so no figure stands alone: :func:`paired` runs a step and its
 baseline in turn (A B A B ...) after a warm-up pair, and reports the median ratio with its min and
-max over at least :data:`MIN_PAIRS` pairs; every run is kept in the result. A goal is met only if
-the worst pair meets it (:func:`meets`).
+max over at least :data:`MIN_PAIRS` pairs; every run is kept in the result. :func:`rounds` is the
+same for several steps measured together with one baseline. A goal is met only if the worst pair
+meets it (:func:`meets`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -20,6 +22,8 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from vllm_dspark.safety import staged
 
 # Smoke tests point this elsewhere so that a tiny-preset run never overwrites committed results.
 RESULTS_DIR = Path(os.environ.get("VLLM_DSPARK_BENCH_RESULTS", Path(__file__).parent / "results"))
@@ -35,6 +39,49 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def rounds(
+    measure: Callable[[], dict[str, Measurement]],
+    baseline: str,
+    *,
+    pairs: int = MIN_PAIRS,
+    warmup: int = 1,
+    progress: str | None = None,
+) -> dict[str, Any]:
+    """Call ``measure`` ``warmup`` times untimed, then ``pairs`` times; each call measures some steps
+    and their ``baseline`` back to back (``{name: measurement}``), and each step's ratio to the
+    baseline is taken within its own call.
+
+    Returns every run (``runs``, warm-ups marked) and, over the timed runs, the median / min / max
+    of each step's ratio (``ratio``) and of every measurement's seconds (``seconds``).
+    """
+    if pairs < 1:
+        raise ValueError(f"pairs must be at least 1, got {pairs}")
+    runs = []
+    for i in range(warmup + pairs):
+        measured = measure()
+        base = measured[baseline]["seconds"]
+        ratio = {k: m["seconds"] / base for k, m in measured.items() if k != baseline}
+        runs.append({"warmup": i < warmup, "measured": measured, "ratio": ratio})
+        if progress:
+            kind = "warm-up" if i < warmup else f"pair {i - warmup + 1}/{pairs}"
+            times = ", ".join(f"{k} {m['seconds']:.4g} s" for k, m in measured.items())
+            ratios = ", ".join(f"{k} {r:.3f}x" for k, r in ratio.items())
+            print(
+                f"{progress} {kind}: {times}; vs {baseline}: {ratios}", file=sys.stderr, flush=True
+            )
+    timed_runs = [r for r in runs if not r["warmup"]]
+    return {
+        "pairs": pairs,
+        "warmup": warmup,
+        "ratio": {k: spread([r["ratio"][k] for r in timed_runs]) for k in runs[0]["ratio"]},
+        "seconds": {
+            k: spread([r["measured"][k]["seconds"] for r in timed_runs])
+            for k in runs[0]["measured"]
+        },
+        "runs": runs,
+    }
+
+
 def paired(
     step: Callable[[], Measurement],
     baseline: Callable[[], Measurement],
@@ -43,38 +90,37 @@ def paired(
     warmup: int = 1,
     progress: str | None = None,
 ) -> dict[str, Any]:
-    """Run ``step`` then ``baseline``, ``warmup`` pairs untimed and then ``pairs`` timed pairs.
+    """:func:`rounds` of one step and its baseline: step, baseline, step, baseline, ...
 
-    Each call returns a measurement with its ``seconds``; the ratio of a pair is step / baseline.
-    Returns every run (``runs``, warm-ups marked), and the median / min / max of the ratio and of
-    each side's seconds over the timed pairs.
+    Returns every run (``runs``: each with its ``step`` and ``baseline`` measurement and their
+    ``ratio``, step / baseline) and the median / min / max of the ratio and of each side's seconds.
     """
-    if pairs < 1:
-        raise ValueError(f"pairs must be at least 1, got {pairs}")
-    runs = []
-    for i in range(warmup + pairs):
-        a = step()
-        b = baseline()
-        runs.append(
-            {"warmup": i < warmup, "step": a, "baseline": b, "ratio": a["seconds"] / b["seconds"]}
-        )
-        if progress:
-            kind = "warm-up" if i < warmup else f"pair {i - warmup + 1}/{pairs}"
-            print(
-                f"{progress} {kind}: {a['seconds']:.4g} s vs {b['seconds']:.4g} s "
-                f"= {runs[-1]['ratio']:.3f}x",
-                file=sys.stderr,
-                flush=True,
-            )
-    timed = [r for r in runs if not r["warmup"]]
+    result = rounds(
+        lambda: {"step": step(), "baseline": baseline()},
+        "baseline",
+        pairs=pairs,
+        warmup=warmup,
+        progress=progress,
+    )
     return {
         "pairs": pairs,
         "warmup": warmup,
-        "ratio": spread([r["ratio"] for r in timed]),
-        "step_seconds": spread([r["step"]["seconds"] for r in timed]),
-        "baseline_seconds": spread([r["baseline"]["seconds"] for r in timed]),
-        "runs": runs,
+        "ratio": result["ratio"]["step"],
+        "step_seconds": result["seconds"]["step"],
+        "baseline_seconds": result["seconds"]["baseline"],
+        "runs": [
+            {"warmup": r["warmup"], **r["measured"], "ratio": r["ratio"]["step"]}
+            for r in result["runs"]
+        ],
     }
+
+
+def add_pairing_arguments(
+    parser: argparse.ArgumentParser, unit: str = "pairs", per: str = ""
+) -> None:
+    """``--pairs`` (timed, default :data:`MIN_PAIRS`) and ``--warmup`` (untimed first, default 1)."""
+    parser.add_argument("--pairs", type=int, default=MIN_PAIRS, help=f"timed {unit}{per}")
+    parser.add_argument("--warmup", type=int, default=1, help=f"untimed {unit} first")
 
 
 def meets(result: dict[str, Any], limit: float) -> bool:
@@ -130,6 +176,30 @@ def memcpy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
     return 2 * nbytes / seconds / 1e9
 
 
+def preset_drafter(path: Path | None, preset: str) -> Path:
+    """The drafter to measure: ``path``, or the preset's shared random drafter (written if missing:
+    ``make-random --seed 0``, in ``/tmp/k3`` for k3), refusing one of other shapes."""
+    from vllm_dspark.checkpoint.presets import preset_config_json
+    from vllm_dspark.checkpoint.store import read_config_json
+
+    path = path or Path("/tmp/k3" if preset == "k3" else f"/tmp/vllm-dspark-{preset}")
+    if not (path / "config.json").exists():
+        from vllm_dspark.checkpoint.make_random import make_random
+
+        print(
+            f"{path} does not exist: writing a random {preset} drafter there (make-random --seed 0)"
+        )
+        return make_random(path, preset, seed=0)
+    found, wanted = read_config_json(path), preset_config_json(preset)
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+    if any(found.get(k) != wanted[k] for k in sizes):
+        raise SystemExit(
+            f"{path} is not a {preset} drafter ({', '.join(f'{k}={found.get(k)}' for k in sizes)}); "
+            "pass --model for a drafter of that preset, or the --preset it was made with"
+        )
+    return path
+
+
 def environment() -> dict[str, Any]:
     import torch
 
@@ -164,7 +234,8 @@ def write_result(
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "environment": environment(), **payload}
     path = out_dir / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    (out_dir / f"{name}.md").write_text(table + "\n")
+    for target, text in ((path, json.dumps(payload, indent=2)), (out_dir / f"{name}.md", table)):
+        with staged(target, directory=False) as staging:  # a killed run leaves the old result whole
+            staging.write_text(text + "\n")
     print(table)
     return path

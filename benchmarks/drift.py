@@ -5,16 +5,15 @@ Runs ``vllm-dspark eval``'s harness on a random drafter with the published confi
 realistic weight scales (``vllm-dspark make-random --preset k3 --seed 0``, created if ``--model``
 does not exist) and writes the full report (results.json, results.md, PNG plots) under
 ``benchmarks/results/NAME/``, plus the headline table ``benchmarks/results/NAME.md`` that the
-README shows. With ``--speed`` it writes only the per-pass throughput table (no report).
+README shows. Its throughput per pass is ``python -m benchmarks drift-speed``.
 
 The weights are random: the figures exercise the harness at real shapes and rank the formats on
 this model; they are not the published checkpoint's drift. The k3 run holds ~17 GiB and takes the
 machine's cores, so on shared machines run it under the k3 lock. ``python -m benchmarks`` names
-the committed runs (``drift``, ``drift-positions``, ``drift-speed``):
+the committed runs (``drift``, ``drift-positions``):
 
     flock /tmp/k3.lock python -m benchmarks drift            # 640 blocks per regime, ~55 min
     flock /tmp/k3.lock python -m benchmarks drift-positions  # the YaRN-range sweep
-    flock /tmp/k3.lock python -m benchmarks drift-speed      # blocks per second, 64 blocks per regime
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, environment, format_table, write_result
+from benchmarks.common import RESULTS_DIR, environment, format_table, preset_drafter, write_result
 from vllm_dspark.drift.cli import parse_position
 from vllm_dspark.drift.harness import EvalSpec, default_variants, run
 from vllm_dspark.drift.report import (
@@ -36,29 +35,6 @@ from vllm_dspark.drift.report import (
     worst_half_width_pp,
     write_report,
 )
-
-
-def _model(path: Path | None, preset: str) -> Path:
-    """The drafter to evaluate: ``path``, or the preset's shared random drafter (written if missing)."""
-    from vllm_dspark.checkpoint.presets import preset_config_json
-    from vllm_dspark.checkpoint.store import read_config_json
-
-    path = path or Path("/tmp/k3" if preset == "k3" else f"/tmp/vllm-dspark-{preset}")
-    if not (path / "config.json").exists():
-        from vllm_dspark.checkpoint.make_random import make_random
-
-        print(
-            f"{path} does not exist: writing a random {preset} drafter there (make-random --seed 0)"
-        )
-        return make_random(path, preset, seed=0)
-    found, wanted = read_config_json(path), preset_config_json(preset)
-    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
-    if any(found.get(k) != wanted[k] for k in sizes):
-        raise SystemExit(
-            f"{path} is not a {preset} drafter ({', '.join(f'{k}={found.get(k)}' for k in sizes)}); "
-            "pass --model for a drafter of that preset, or the --preset it was made with"
-        )
-    return path
 
 
 def _display(path: Path) -> str:
@@ -81,55 +57,6 @@ def _config_summary(results: dict[str, Any]) -> dict[str, Any]:
         "recipe",
     )
     return {k: results["config"][k] for k in keys}
-
-
-def speed_table(results: dict[str, Any]) -> str:
-    """Seconds and blocks per second of each pass, each against the FP32 reference of the same run."""
-    cfg, timing = results["config"], results["timing"]
-    blocks = cfg["blocks"] * len(cfg["regimes"]) * len(cfg["positions"])
-    ref_rate = blocks / timing["reference_s"]
-    rows = []
-    if "boot" in cfg["regimes"]:
-        rows.append(
-            {
-                "pass": "boot aux states (BF16, causal)",
-                "load_s": 0.0,
-                "seconds": timing["inputs_s"],
-                "blocks": cfg["blocks"],
-                "blocks_per_s": cfg["blocks"] / timing["inputs_s"],
-            }
-        )
-    rows.append(
-        {
-            "pass": "reference (FP32)",
-            "load_s": timing["load_reference_s"],
-            "seconds": timing["reference_s"],
-            "blocks": blocks,
-            "blocks_per_s": ref_rate,
-        }
-    )
-    for v in cfg["variants"]:
-        seconds = timing[f"eval_{v}_s"]
-        rows.append(
-            {
-                "pass": f"{v} (BF16 compute)",
-                "load_s": timing[f"load_{v}_s"],
-                "seconds": seconds,
-                "blocks": blocks,
-                "blocks_per_s": blocks / seconds,
-            }
-        )
-    for row in rows:
-        row["vs_reference"] = row["blocks_per_s"] / ref_rate
-    total = {"pass": "whole run (inputs, loads, every pass)", "seconds": timing["total_s"]}
-    table = format_table(
-        [*rows, total], ["pass", "load_s", "seconds", "blocks", "blocks_per_s", "vs_reference"]
-    )
-    return (
-        f"`{cfg['preset']}` preset, {cfg['blocks']} blocks per regime ({', '.join(cfg['regimes'])}) in batches "
-        f"of {cfg['batch_size']}, context {cfg['context_len']} tokens; `load_s` includes quantizing on the fly."
-        f"\n\n{table}"
-    )
 
 
 def headline(results: dict[str, Any], report_dir: str) -> str:
@@ -243,16 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="report directory (default benchmarks/results/NAME)"
     )
-    parser.add_argument(
-        "--speed",
-        action="store_true",
-        help="write only the per-pass throughput table (NAME.{json,md}), not the quality report",
-    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
     out = args.out or RESULTS_DIR / args.name
-    model = _model(args.model, args.preset)
+    model = preset_drafter(args.model, args.preset)
     spec = EvalSpec(
         model=str(model),
         variants=tuple(args.variants),
@@ -269,18 +191,6 @@ def main(argv: list[str] | None = None) -> int:
     results["timing"]["total_s"] = time.perf_counter() - start
     results["config"]["preset"] = args.preset
     results["environment"] = environment()
-    if args.speed:
-        write_result(
-            args.name,
-            {
-                "preset": args.preset,
-                "model": str(model),
-                "timing": results["timing"],
-                "config": _config_summary(results),
-            },
-            speed_table(results),
-        )
-        return 0
     files = write_report(results, out)
     payload = {
         "preset": args.preset,

@@ -30,6 +30,7 @@ import torch
 
 from benchmarks.common import (
     MIN_PAIRS,
+    add_pairing_arguments,
     format_table,
     memcpy_bandwidth,
     paired,
@@ -116,7 +117,9 @@ def _bf16_layer(weight: torch.Tensor) -> torch.nn.Module:
     return layer
 
 
-def run(preset: str = "k3", pairs: int = MIN_PAIRS, tokens: tuple[int, ...] = (1, 7)) -> dict:
+def run(
+    preset: str = "k3", pairs: int = MIN_PAIRS, warmup: int = 1, tokens: tuple[int, ...] = (1, 7)
+) -> dict:
     from vllm.model_executor.layers.utils import cpu_unquantized_gemm
 
     from vllm_dspark.checkpoint.formats import dequantize_weight, quantize_weight
@@ -147,7 +150,7 @@ def run(preset: str = "k3", pairs: int = MIN_PAIRS, tokens: tuple[int, ...] = (1
                 err = (paths["plugin"]().float() - ref).norm() / ref.norm()
                 base = timed(paths["bf16"])
                 results = {
-                    name: paired(timed(fn), base, pairs=pairs)
+                    name: paired(timed(fn), base, pairs=pairs, warmup=warmup)
                     for name, fn in paths.items()
                     if name != "bf16"
                 }
@@ -192,16 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--preset", default="k3", help="layer shapes of this preset (default: the real k3)"
     )
-    parser.add_argument("--pairs", type=int, default=MIN_PAIRS, help="timed pairs per path")
+    add_pairing_arguments(parser, per=" per path")
     args = parser.parse_args(argv)
     with _bf16_drafter_config(args.preset):
-        result = run(args.preset, args.pairs)
+        result = run(args.preset, args.pairs, args.warmup)
     table = format_table(
         result["rows"],
         ["module", "shape", "tokens", "path", "ms", "vs bf16", "GB/s", "memcpy GB/s"],
     ) + (
         f"\n\nms: median; vs bf16: median (min–max) of {args.pairs} pairs (path, bf16) after "
-        "1 warm-up pair; bf16's own ms: the median of its runs in every pair."
+        f"{args.warmup} warm-up pair; bf16's own ms: the median of its runs in every pair."
     )
     write_result("fp8_linear", result, table)
     return 0

@@ -16,11 +16,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS_DIR, write_result
+from vllm_dspark.safety import staged
 
 PAIR = Path(__file__).resolve().parent.parent / "tests" / "data" / "pair"
 # (eval key, column header): the drift figures shown next to the measured τ
@@ -135,21 +135,22 @@ def main(argv: list[str] | None = None) -> int:
     pair, out = Path(os.path.relpath(args.pair)), args.out / "pair"
     prompts = json.loads((pair / "heldout_prompts.json").read_text())["prompts"][: args.prompts]
     variants = ["bf16", "fp8", "mxfp4", "nvfp4"]
-    with tempfile.TemporaryDirectory() as tmp:
-        ids = Path(tmp) / "prompts.json"
-        ids.write_text(json.dumps([p["token_ids"] for p in prompts]))
-        common = ["--target", str(pair / "target"), "--no-progress"]
-        steps = [
-            ["accept", *common, "--drafter", str(pair / "drafter"), "--prompts", str(ids)]
-            + ["--max-tokens", str(args.max_tokens), "--scheduled", "--out", str(out / "accept")]
-            + ["--variants", *variants],
-            ["eval", *common, "--model", str(pair / "drafter"), "--regimes", "real"]
-            + ["--corpus", str(ids), "--blocks", str(args.blocks), "--out", str(out / "eval")]
-            + ["--variants", *variants],
-        ]
-        for step in steps:
-            if cli(step) != 0:
-                return 1
+    # The prompts' ids are kept with the results: both tools read them, and the results name them.
+    ids = Path(os.path.relpath(out / "prompts.json"))
+    with staged(ids, directory=False) as staging:
+        staging.write_text(json.dumps([p["token_ids"] for p in prompts]) + "\n")
+    common = ["--target", str(pair / "target"), "--no-progress"]
+    steps = [
+        ["accept", *common, "--drafter", str(pair / "drafter"), "--prompts", str(ids)]
+        + ["--max-tokens", str(args.max_tokens), "--scheduled", "--out", str(out / "accept")]
+        + ["--variants", *variants],
+        ["eval", *common, "--model", str(pair / "drafter"), "--regimes", "real"]
+        + ["--corpus", str(ids), "--blocks", str(args.blocks), "--out", str(out / "eval")]
+        + ["--variants", *variants],
+    ]
+    for step in steps:
+        if cli(step) != 0:
+            return 1
     accept = json.loads((out / "accept" / "results.json").read_text())
     drift = json.loads((out / "eval" / "results.json").read_text())
     rows = join(accept, drift)

@@ -9,9 +9,10 @@ its own subprocess so that each peak RSS is its own: the copy loads every shard 
 the same numerator for both, so the ratio is the cost of quantizing, SNR measurement included.
 Then ``vllm-dspark check`` verifies the last output. Goal: the worst pair within 1.3x.
 
-The ``k3`` preset (6.6 GiB of BF16 input, random weights at the real shapes) needs ~32 GiB of free
-disk (input with its target heads, one quantized output, one copy) and takes ~10 minutes (~5
-with ``--model``) on two cores; run it under ``flock /tmp/k3.lock`` on shared machines:
+The ``k3`` preset (6.6 GiB of BF16 input, random weights at the real shapes; the shared drafter in
+``/tmp/k3``, written in about a minute if missing) needs ~32 GiB of free disk (input with its
+target heads, one quantized output, one copy) and takes ~5 minutes on two cores; run it under
+``flock /tmp/k3.lock`` on shared machines:
 
     flock /tmp/k3.lock python -m benchmarks quantizer [--model /tmp/k3] [--pairs 5]
 """
@@ -31,10 +32,12 @@ from typing import Any
 
 from benchmarks.common import (
     MIN_PAIRS,
+    add_pairing_arguments,
     format_table,
     in_subprocess,
     meets,
     paired,
+    preset_drafter,
     spread_text,
     write_result,
 )
@@ -117,18 +120,15 @@ def run(
     pairs: int = MIN_PAIRS,
     warmup: int = 1,
 ) -> dict[str, Any]:
-    """Pair quantize with copy on ``model_dir`` (default: a fresh make-random ``preset`` checkpoint)."""
+    """Pair quantize with copy on ``model_dir`` (default: the preset's shared random drafter)."""
     from vllm_dspark.checkpoint.check import check_checkpoint
     from vllm_dspark.checkpoint.layout import checkpoint_modules
-    from vllm_dspark.checkpoint.make_random import make_random
     from vllm_dspark.checkpoint.store import load_config, stored_tensors
 
     workers = len(os.sched_getaffinity(0)) if workers is None else workers
+    model_dir = preset_drafter(None if model_dir is None else Path(model_dir), preset)
     with tempfile.TemporaryDirectory(prefix="bench-quantizer-", dir=work_dir) as tmp:
         tmp = Path(tmp)
-        if model_dir is None:
-            model_dir = make_random(tmp / "drafter", preset, progress=False)
-        model_dir = Path(model_dir)
         stored = stored_tensors(model_dir)
         input_bytes = sum(t.nbytes for t in stored.values())
         quantized = tmp / "quantized"
@@ -224,13 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers", type=int, default=None, help="quantize --workers (default: one per core)"
     )
-    parser.add_argument("--pairs", type=int, default=MIN_PAIRS, help="timed pairs")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed pairs first")
+    add_pairing_arguments(parser)
     parser.add_argument(
         "--model",
         type=Path,
         default=None,
-        help="an existing BF16 checkpoint of --preset (default: make-random writes one)",
+        help="a BF16 checkpoint of --preset (default: the preset's shared random drafter, "
+        "/tmp/k3 for k3, written if missing)",
     )
     parser.add_argument(
         "--work-dir",

@@ -36,6 +36,7 @@ import torch
 
 from benchmarks.common import (
     MIN_PAIRS,
+    add_pairing_arguments,
     format_table,
     meets,
     paired,
@@ -212,8 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--preset", choices=list(PRESETS), default="k3")
-    parser.add_argument("--pairs", type=int, default=MIN_PAIRS, help="timed pairs")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed pairs first")
+    add_pairing_arguments(parser)
     parser.add_argument(
         "--context-len",
         type=int,

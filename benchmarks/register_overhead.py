@@ -15,6 +15,7 @@ import sys
 
 from benchmarks.common import (
     MIN_PAIRS,
+    add_pairing_arguments,
     format_table,
     in_subprocess,
     paired,
@@ -94,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--pairs", type=int, default=MIN_PAIRS, help="timed pairs")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed pairs first")
+    add_pairing_arguments(parser)
     args = parser.parse_args(argv)
     result = run(args.pairs, args.warmup)
     write_result("register_overhead", result, table(result))

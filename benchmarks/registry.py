@@ -51,16 +51,15 @@ BENCHMARKS: dict[str, Benchmark] = {
     ),
     "quantizer": Benchmark(
         "benchmarks.quantizer",
-        "quantizer wall time and peak RSS, paired with a plain safetensors copy (k3: ~15 min)",
+        "quantizer wall time and peak RSS, paired with a plain safetensors copy (k3: ~4 min)",
         "quantizer",
         "Quantizer throughput and peak memory (`k3` preset)",
     ),
     "drift-speed": Benchmark(
-        "benchmarks.drift",
-        "drift-harness blocks per second at real shapes, per pass (64 blocks per regime)",
+        "benchmarks.drift_speed",
+        "drift harness: each variant's pass paired with the FP32 reference's, one batch of 64 blocks",
         "drift_speed",
         "Drift harness throughput at real shapes (`k3` preset)",
-        args=("--name", "drift_speed", "--blocks", "64", "--speed"),
     ),
     "register": Benchmark(
         "benchmarks.register_overhead",

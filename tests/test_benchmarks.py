@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import MIN_PAIRS, meets, paired, spread, spread_text
+from benchmarks.common import MIN_PAIRS, meets, paired, rounds, spread, spread_text
 from benchmarks.registry import BENCHMARKS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "reference": ["--preset", "tiny", "--pairs", "1", "--warmup", "0", "--context-len", "8"],
     "fp8-linear": ["--preset", "tiny", "--pairs", "1"],
     "quantizer": ["--preset", "tiny", "--pairs", "1", "--warmup", "0"],
-    "drift-speed": ["--preset", "tiny", "--blocks", "4"],
+    "drift-speed": ["--preset", "tiny", "--batch-size", "4", "--pairs", "1", "--warmup", "0"],
     "register": ["--pairs", "1", "--warmup", "0"],
     "drift": ["--preset", "tiny", "--blocks", "8"],
     "drift-positions": ["--preset", "tiny", "--blocks", "4"],
@@ -66,6 +66,25 @@ def check_paired(result: dict, *, committed: bool) -> None:
             "min": min(values),
             "max": max(values),
         }, key
+
+
+def check_rounds(result: dict, baseline: str, *, committed: bool) -> None:
+    """A :func:`benchmarks.common.rounds` result: every ratio and every spread, from its runs."""
+    runs = result["runs"]
+    assert [r["warmup"] for r in runs] == [True] * result["warmup"] + [False] * result["pairs"]
+    if committed:
+        assert result["pairs"] >= MIN_PAIRS
+    for r in runs:
+        assert set(r["ratio"]) == set(r["measured"]) - {baseline}
+        for step, ratio in r["ratio"].items():
+            base = r["measured"][baseline]["seconds"]
+            _close(ratio, r["measured"][step]["seconds"] / base, f"{step} ratio")
+    timed = [r for r in runs if not r["warmup"]]
+    for step in runs[0]["ratio"]:
+        assert result["ratio"][step] == spread([r["ratio"][step] for r in timed]), step
+    for step in runs[0]["measured"]:
+        values = [r["measured"][step]["seconds"] for r in timed]
+        assert result["seconds"][step] == spread(values), step
 
 
 def check_arithmetic(name: str, result: dict, *, committed: bool = True) -> None:
@@ -129,7 +148,17 @@ def check_arithmetic(name: str, result: dict, *, committed: bool = True) -> None
                     / (2 * result["memcpy_bytes"]),
                     "streaming seconds",
                 )
-    elif name in ("drift", "drift_positions", "drift_speed"):
+    elif name == "drift_speed":
+        assert [r["variant"] for r in result["results"]] == ["bf16", "fp8"]
+        for row in result["results"]:
+            check_paired(row, committed=committed)
+            for side, key in (("step", "variant"), ("baseline", "reference")):
+                _close(
+                    row[f"{key}_blocks_per_s"],
+                    result["batch_size"] / row[f"{side}_seconds"]["median"],
+                    f"{row['variant']} {key} blocks/s",
+                )
+    elif name in ("drift", "drift_positions"):
         timing, config = result["timing"], result["config"]
         evaluated = (
             config["blocks"]
@@ -141,17 +170,26 @@ def check_arithmetic(name: str, result: dict, *, committed: bool = True) -> None
         _close(timing["blocks_per_s"], evaluated / eval_s, "blocks_per_s")
     elif name == "pair":
         assert result["rows"]
+        # The results name their inputs by paths that hold on any clone: no temporary files.
+        for path in (result["pair"], result["accept_config"]["prompts"]):
+            assert not Path(path).is_absolute(), path
+        assert result["eval_config"]["corpus_source"] == result["accept_config"]["prompts"]
         for row in result["rows"]:
             for key, over in row["overestimate"].items():
                 _close(over, row[key]["value"] - row["tau"]["value"], f"{row['variant']} {key}")
             assert len(row["lossless"]) == result["accept_config"]["num_prompts"]
     elif name == "e2e_cpu":
-        for row in result["rows"]:
+        check_rounds(result, "baseline", committed=committed)
+        timed = [r["measured"] for r in result["runs"] if not r["warmup"]]
+        labels = {row["engine"]: row for row in result["rows"]}
+        assert len(labels) == len(timed[0])
+        for engine, row in zip(timed[0], result["rows"]):
             _close(
-                row["output tok/s"],
-                row["output tokens"] / row["generate s"],
+                row["output tok/s (median)"],
+                row["output tokens"] / result["seconds"][engine]["median"],
                 f"{row['engine']} tok/s",
             )
+            assert row["output tokens"] == timed[0][engine]["output_tokens"]
             if row["drafts"] != "-":
                 per_position = [int(v) for v in row["accepted per position"].split()]
                 assert (
@@ -159,6 +197,11 @@ def check_arithmetic(name: str, result: dict, *, committed: bool = True) -> None
                     and sum(per_position) == row["accepted"]
                 )
                 assert row["draft tokens"] == row["drafts"] * result["settings"]["block"]
+
+        def counted(run: dict) -> dict:
+            return {e: (m["counters"], m["output_tokens"]) for e, m in run.items()}
+
+        assert result["counters_identical"] == all(counted(t) == counted(timed[0]) for t in timed)
     else:
         raise AssertionError(f"no arithmetic check for benchmark result {name!r}: add one")
 
@@ -196,8 +239,7 @@ def test_benchmark_runs_at_the_tiny_preset(name: str, tmp_path: Path) -> None:
     assert len(rows) >= 3, table  # header, separator and at least one row
     assert rows[0] in out.stdout  # the table is printed too
     if name == "drift-speed":
-        assert "reference (FP32)" in table and not (tmp_path / "drift_speed").exists()
-        assert result["timing"]["reference_s"] > 0
+        assert "time vs reference" in table and not (tmp_path / "drift_speed").exists()
     if name.startswith("drift") and name != "drift-speed":
         assert (tmp_path / result_name / "results.json").exists()
 
@@ -240,6 +282,28 @@ def test_paired_alternates_step_and_baseline_after_the_warmup() -> None:
     assert result["step_seconds"] == {"median": 4, "min": 2, "max": 6}
     assert result["baseline_seconds"] == {"median": 1, "min": 1, "max": 2}
     check_paired(result, committed=True)
+
+
+def test_rounds_take_each_ratio_within_its_own_round() -> None:
+    seconds = iter([(4.0, 1.0, 8.0), (3.0, 1.0, 2.0), (6.0, 2.0, 2.0), (2.0, 2.0, 9.0)])
+
+    def measure() -> dict:
+        a, b, base = next(seconds)
+        return {"a": {"seconds": a}, "b": {"seconds": b}, "base": {"seconds": base}}
+
+    result = rounds(measure, "base", pairs=3, warmup=1)
+    # The warm-up round (a 0.5x, b 0.125x) is kept in the runs but not in the figures.
+    assert [r["ratio"] for r in result["runs"]] == [
+        {"a": 0.5, "b": 0.125},
+        {"a": 1.5, "b": 0.5},
+        {"a": 3.0, "b": 1.0},
+        {"a": 2 / 9, "b": 2 / 9},
+    ]
+    assert result["ratio"]["a"] == {"median": 1.5, "min": 2 / 9, "max": 3.0}
+    assert result["seconds"]["base"] == {"median": 2.0, "min": 2.0, "max": 9.0}
+    check_rounds(result, "base", committed=False)
+    with pytest.raises(ValueError, match="pairs must be at least 1"):
+        rounds(measure, "base", pairs=0)
 
 
 def test_spread_of_an_even_count_takes_the_middle_pair_mean() -> None:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The drift harness end to end on the tiny and small presets, on CPU.
+"""The drift harness end to end on the tiny and small presets, on CPU (and on CUDA where there is one).
 
 What must hold whatever the (random) weights: a second, independently loaded FP32 reference is exact, BF16
 drifts less than FP8, which drifts less than the 4-bit formats, and the CLI writes its report.
@@ -7,6 +7,7 @@ drifts less than FP8, which drifts less than the 4-bit formats, and the CLI writ
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -92,6 +93,27 @@ def test_precision_ordering_on_the_small_preset(small_checkpoint):
     )
     # The quantized builds drift; a harness that scored them as exact would be broken.
     assert m["fp8"]["greedy_agreement"]["value"] < 1.0
+
+
+@pytest.mark.gpu
+def test_eval_on_cuda_agrees_with_cpu_cell_by_cell(small_checkpoint):
+    """``eval --device cuda`` (GPU kernels, BF16 on tensor cores) scores every cell as the CPU does:
+    each headline figure lies within the other device's 95 % CI."""
+    spec = EvalSpec(
+        model=str(small_checkpoint),
+        variants=("bf16", "fp8", "mxfp4", "nvfp4"),
+        blocks=64,
+        batch_size=32,
+        progress=False,
+    )
+    cuda, cpu = run(replace(spec, device="cuda")), run(spec)
+    cells = [(c["variant"], c["regime"]) for c in cpu["cells"]]
+    assert len(cells) == 12 and cells == [(c["variant"], c["regime"]) for c in cuda["cells"]]
+    for variant, regime in cells:
+        for key in ("greedy_agreement", "ceiling", "kl_mean"):
+            a, b = _cell(cuda, variant, regime)[key], _cell(cpu, variant, regime)[key]
+            inside = a["lo"] <= b["value"] <= a["hi"] or b["lo"] <= a["value"] <= b["hi"]
+            assert inside, (variant, regime, key, a, b)
 
 
 def test_cli_writes_results_table_and_plots(tiny_checkpoint, tmp_path):

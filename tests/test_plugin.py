@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +117,24 @@ print("AMX", torch.cpu._is_amx_tile_supported(), vllm_dspark.request_amx_permiss
     assert out.returncode == 0, out.stderr[-3000:]
     supported = "AMX True" in out.stdout
     assert out.stdout.strip().endswith(f"AMX {supported} {supported}"), out.stdout
+
+
+def test_an_amx_kernel_runs_after_the_plugins_request() -> None:
+    """On AMX hosts: a tile kernel dies with SIGILL in a process that never asked, and runs after
+    ``request_amx_permission()`` (tests/amx_host_check.py; it also runs where vLLM cannot)."""
+    from tests.amx_host_check import cpu_flags
+
+    if not {"amx_tile", "amx_bf16"} <= cpu_flags():
+        pytest.skip("this CPU has no AMX tiles")
+    out = subprocess.run(
+        [sys.executable, "tests/amx_host_check.py"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert (
+        report["with_request"]["result"]["requested_by"] == "vllm_dspark.request_amx_permission()"
+    )

@@ -30,10 +30,8 @@ from vllm_dspark.checkpoint.store import (
     expected_tensors,
     human_bytes,
     human_params,
-    load_config,
-    read_config_json,
+    read_checkpoint,
     shape_mismatches,
-    stored_tensors,
 )
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.findings import Finding, FindingError, errors, render
@@ -188,16 +186,14 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
     model_dir = Path(model_dir)
     report = CheckReport(str(model_dir))
     try:
-        raw = read_config_json(model_dir)
-        config = load_config(model_dir)
-        stored = stored_tensors(model_dir)
+        checkpoint = read_checkpoint(model_dir)
     except FindingError as e:
         report.findings += e.findings
         return report
     except OSError as e:
         report.findings.append(os_error_finding(e))
         return report
-
+    raw, config, stored = checkpoint.config_json, checkpoint.config, checkpoint.stored
     specs = checkpoint_modules(config)
     size = sum(t.nbytes for t in stored.values())
     report.summary.append(

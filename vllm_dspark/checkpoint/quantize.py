@@ -40,7 +40,7 @@ from vllm_dspark.checkpoint.layout import (
     fused_module_groups,
     tensor_shapes,
 )
-from vllm_dspark.checkpoint.quant_plan import QuantPlanError, resolve
+from vllm_dspark.checkpoint.quant_plan import QuantPlanError
 from vllm_dspark.checkpoint.st_io import (
     Entry,
     SafetensorsWriter,
@@ -54,9 +54,7 @@ from vllm_dspark.checkpoint.store import (
     INDEX_NAME,
     human_bytes,
     human_params,
-    load_config,
-    read_config_json,
-    stored_tensors,
+    read_checkpoint,
     validate_tensor_shapes,
 )
 from vllm_dspark.safety import check_output, refuse_nonempty, require_finite, staged
@@ -116,16 +114,13 @@ class _Plan:
 
 def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
     """Validate the request against the checkpoint, before anything is written."""
-    raw = read_config_json(model_dir)
-    config = load_config(model_dir)
-    stored = stored_tensors(model_dir)
+    checkpoint = read_checkpoint(model_dir)
+    config, stored = checkpoint.config, checkpoint.stored
     try:
-        quantized = resolve(
-            config, raw.get("quantization_config"), {k: t.dtype for k, t in stored.items()}
-        ).modules
+        quantized = checkpoint.plan().modules
     except QuantPlanError as e:
         raise Refusal(f"{model_dir} is not a BF16 checkpoint: {e}") from None
-    if quantized or raw.get("quantization_config") is not None:
+    if quantized or checkpoint.config_json.get("quantization_config") is not None:
         found = ", ".join(sorted(set(quantized.values()))) or "no-op"
         raise Refusal(
             f"{model_dir} is already quantized ({len(quantized)} modules stored as {found}, per its "
@@ -150,7 +145,9 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
     shards: dict[str, list[_Item]] = {}
     for item in items:
         shards.setdefault(item.stored.path.name, []).append(item)
-    raw = dict(raw, quantization_config=formats.quantization_config(fmt, kinds, config))
+    raw = dict(
+        checkpoint.config_json, quantization_config=formats.quantization_config(fmt, kinds, config)
+    )
     return _Plan(raw, kinds, dict(sorted(shards.items())))
 
 

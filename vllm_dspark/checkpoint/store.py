@@ -16,6 +16,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,11 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
 
 def load_config(model_dir: str | Path) -> K3DSparkConfig:
     """The ``K3DSparkConfig`` of ``model_dir``; every problem is a ``ValueError`` naming the file."""
-    raw = read_config_json(model_dir)
-    path = Path(model_dir) / CONFIG_NAME
+    return _parse_config(read_config_json(model_dir), Path(model_dir) / CONFIG_NAME)
+
+
+def _parse_config(raw: dict[str, Any], path: Path) -> K3DSparkConfig:
+    """``raw`` (the config.json at ``path``) as a validated ``K3DSparkConfig``."""
     try:
         check_identity(raw)
         return K3DSparkConfig(**raw)
@@ -317,15 +321,35 @@ def stored_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
     return {key: headers[key] for key in weight_map}
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A drafter directory as read: its config, its raw config.json and its shards' headers."""
+
+    path: Path
+    config: K3DSparkConfig
+    config_json: dict[str, Any]
+    stored: dict[str, StoredTensor]
+
+    def plan(self) -> QuantPlan:
+        """:func:`resolve` over its ``quantization_config`` and stored dtypes (raises QuantPlanError)."""
+        return resolve(
+            self.config,
+            self.config_json.get("quantization_config"),
+            {key: t.dtype for key, t in self.stored.items()},
+        )
+
+
+def read_checkpoint(model_dir: str | Path) -> Checkpoint:
+    """Read a drafter directory's config.json and shard headers (no tensor data)."""
+    model_dir = Path(model_dir)
+    raw = read_config_json(model_dir)
+    config = _parse_config(raw, model_dir / CONFIG_NAME)
+    return Checkpoint(model_dir, config, raw, stored_tensors(model_dir))
+
+
 def resolve_checkpoint(model_dir: str | Path) -> QuantPlan:
     """:func:`resolve` for a drafter directory: its config.json and its shard headers."""
-    model_dir = Path(model_dir)
-    config = load_config(model_dir)
-    return resolve(
-        config,
-        read_config_json(model_dir).get("quantization_config"),
-        {key: t.dtype for key, t in stored_tensors(model_dir).items()},
-    )
+    return read_checkpoint(model_dir).plan()
 
 
 def load_drafter_state_dict(
@@ -343,13 +367,10 @@ def load_drafter_state_dict(
     files atomically, so rewriting a checkpoint never changes a mapped one under a running reader.
     """
     model_dir = Path(model_dir)
-    config = load_config(model_dir)
-    raw = read_config_json(model_dir)
-    stored = stored_tensors(model_dir)
+    checkpoint = read_checkpoint(model_dir)
+    config, stored = checkpoint.config, checkpoint.stored
     try:
-        plan = resolve(
-            config, raw.get("quantization_config"), {k: t.dtype for k, t in stored.items()}
-        )
+        plan = checkpoint.plan()
     except QuantPlanError as e:
         raise FindingError(*within(str(model_dir), e.findings)) from None
     for warning in plan.warnings():

@@ -22,6 +22,7 @@ import platform
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -240,23 +241,41 @@ def _step(loss: torch.Tensor, params, optimizer, scheduler) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def train_target(target, stream, sizes: PairSizes, generator, deadline: float, progress: bool):
-    """Next-token cross-entropy; returns ``[{"step", "loss"}]``."""
-    params = [p for p in target.parameters() if p.requires_grad]
-    optimizer, scheduler = _optimizer(params, sizes, sizes.target_steps)
+def _train(
+    model: torch.nn.Module,
+    steps: int,
+    batch_loss: Callable[[], dict[str, torch.Tensor]],
+    name: str,
+    sizes: PairSizes,
+    deadline: float,
+    progress: bool,
+) -> list[dict]:
+    """AdamW on ``batch_loss()["loss"]`` for ``steps`` (or until ``deadline``); every other entry
+    it returns is logged per step. Returns ``[{"step", "loss", ...}]``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, scheduler = _optimizer(params, sizes, steps)
     curve = []
-    target.train()
-    bar = tqdm(range(sizes.target_steps), desc="train-pair target", disable=not progress)
+    model.train()
+    bar = tqdm(range(steps), desc=f"train-pair {name}", disable=not progress)
     for step in bar:
         if time.monotonic() > deadline:
             break
-        ids = windows(stream, sizes.batch_size, sizes.seq_len, generator)
-        loss = target(input_ids=ids, labels=ids).loss
-        _step(loss, params, optimizer, scheduler)
-        curve.append({"step": step, "loss": float(loss.detach())})
-        bar.set_postfix(loss=f"{curve[-1]['loss']:.3f}")
-    target.eval()
+        out = batch_loss()
+        _step(out["loss"], params, optimizer, scheduler)
+        curve.append({"step": step} | {k: float(v.detach()) for k, v in out.items()})
+        bar.set_postfix({k: f"{v:.3f}" for k, v in curve[-1].items() if k != "step"})
+    model.eval()
     return curve
+
+
+def train_target(target, stream, sizes: PairSizes, generator, deadline: float, progress: bool):
+    """Next-token cross-entropy; returns ``[{"step", "loss"}]``."""
+
+    def batch_loss() -> dict[str, torch.Tensor]:
+        ids = windows(stream, sizes.batch_size, sizes.seq_len, generator)
+        return {"loss": target(input_ids=ids, labels=ids).loss}
+
+    return _train(target, sizes.target_steps, batch_loss, "target", sizes, deadline, progress)
 
 
 def sample_anchors(batch: int, length: int, count: int, block: int, generator) -> torch.Tensor:
@@ -336,29 +355,18 @@ def build_drafter(target, mask_token_id: int, sizes: PairSizes, seed: int):
 
 def train_drafter(drafter, target, stream, sizes, generator, deadline: float, progress: bool):
     """DSpark training on the frozen target; returns the per-step curve."""
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer, scheduler = _optimizer(params, sizes, sizes.drafter_steps)
-    curve = []
-    drafter.train()
-    bar = tqdm(range(sizes.drafter_steps), desc="train-pair drafter", disable=not progress)
-    for step in bar:
-        if time.monotonic() > deadline:
-            break
+
+    def batch_loss() -> dict[str, torch.Tensor]:
         ids = windows(stream, sizes.batch_size, sizes.seq_len, generator)
         anchors = sample_anchors(
             sizes.batch_size, sizes.seq_len, sizes.anchors, drafter.config.block_size, generator
         )
         out = drafter_loss(drafter, target, ids, anchors)
-        _step(out["loss"], params, optimizer, scheduler)
         # Greedy tau of a block under teacher forcing: 1 + its accepted prefix.
         tau = 1 + out["accepted"].cumprod(-1).sum(-1).mean()
-        curve.append(
-            {"step": step, "tau_train": float(tau)}
-            | {k: float(out[k]) for k in ("loss", "ce", "l1", "bce")}
-        )
-        bar.set_postfix(loss=f"{float(out['loss']):.3f}", tau=f"{float(tau):.2f}")
-    drafter.eval()
-    return curve
+        return {"tau_train": tau} | {k: out[k] for k in ("loss", "ce", "l1", "bce")}
+
+    return _train(drafter, sizes.drafter_steps, batch_loss, "drafter", sizes, deadline, progress)
 
 
 @torch.no_grad()
