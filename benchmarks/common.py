@@ -227,12 +227,19 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 
 def write_result(
-    name: str, payload: dict[str, Any], table: str, out_dir: Path | None = None
+    name: str,
+    payload: dict[str, Any],
+    table: str,
+    out_dir: Path | None = None,
+    measured_in: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``<name>.json`` (payload + environment) and ``<name>.md`` (the table); print the table."""
+    """Write ``<name>.json`` (payload + environment) and ``<name>.md`` (the table); print the table.
+
+    ``measured_in`` is the environment of a run re-rendered from its report (default: this one).
+    """
     out_dir = RESULTS_DIR if out_dir is None else out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": name, "environment": environment(), **payload}
+    payload = {"benchmark": name, "environment": measured_in or environment(), **payload}
     path = out_dir / f"{name}.json"
     for target, text in ((path, json.dumps(payload, indent=2)), (out_dir / f"{name}.md", table)):
         with staged(target, directory=False) as staging:  # a killed run leaves the old result whole

@@ -4,7 +4,9 @@
 Runs ``vllm-dspark accept`` (greedy, plus the confidence-scheduled mode) and ``vllm-dspark eval
 --regimes real`` (the target's own aux states over the held-out prompts) on the committed pair
 (``tests/data/pair``, made by ``vllm-dspark train-pair``), then joins them per format: measured τ
-against the drift ceiling, τ prefix and τ from 1−TV. Writes ``benchmarks/results/pair/`` (both
+against the drift ceiling, τ prefix and τ from 1−TV. ``accept`` runs ``--warmup`` + ``--pairs``
+times, each paired with the target's own greedy decode of the same prompts (which ``accept`` times
+first for its lossless check); its figures are seeded, so every run must reproduce them. Writes ``benchmarks/results/pair/`` (both
 tools' reports, the scatter plot) and ``benchmarks/results/pair.{json,md}``:
 
     python -m benchmarks pair
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, write_result
+from benchmarks.common import RESULTS_DIR, Measurement, add_pairing_arguments, rounds, write_result
 from vllm_dspark.safety import staged
 
 PAIR = Path(__file__).resolve().parent.parent / "tests" / "data" / "pair"
@@ -94,6 +96,22 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def timing_note(payload: dict[str, Any]) -> str:
+    """``accept``'s wall time per run, paired with the target's greedy decode, and the eval's."""
+    from benchmarks.common import spread_text
+
+    t = payload["accept_timing"]
+    figures = "identical in every run" if payload["figures_identical"] else "**not reproduced**"
+    return (
+        f"`accept` ({len(payload['rows'])} formats, greedy and scheduled, "
+        f"{payload['accept_config']['num_prompts']} prompts): "
+        f"{spread_text(t['seconds']['accept'], '.1f', ' s')} per run, "
+        f"{spread_text(t['ratio']['accept'], unit='×')} the target's greedy decode of the same "
+        f"prompts, over {t['pairs']} runs after {t['warmup']} warm-up; its figures {figures}. "
+        f"`eval --regimes real`: {payload['eval_s']:.1f} s (one run)."
+    )
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Predicted τ (each drift figure) against measured τ, one point per format, y = x drawn."""
     from vllm_dspark.drift.report import _pyplot
@@ -121,6 +139,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _figures(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """An accept report's cells without their wall times: what a rerun must reproduce."""
+    return [{k: v for k, v in c.items() if k != "seconds"} for c in report["cells"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     from vllm_dspark.tools.cli import main as cli
 
@@ -130,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=512, help="eval blocks in the real regime")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    add_pairing_arguments(parser, "accept runs", " (each paired with the target's greedy decode)")
     args = parser.parse_args(argv)
     # Paths relative to the working directory: results record where the pair is, not this machine.
     pair, out = Path(os.path.relpath(args.pair)), args.out / "pair"
@@ -140,18 +164,34 @@ def main(argv: list[str] | None = None) -> int:
     with staged(ids, directory=False) as staging:
         staging.write_text(json.dumps([p["token_ids"] for p in prompts]) + "\n")
     common = ["--target", str(pair / "target"), "--no-progress"]
-    steps = [
+    accept_argv = (
         ["accept", *common, "--drafter", str(pair / "drafter"), "--prompts", str(ids)]
         + ["--max-tokens", str(args.max_tokens), "--scheduled", "--out", str(out / "accept")]
-        + ["--variants", *variants],
+        + ["--variants", *variants]
+    )
+    reports: list[dict[str, Any]] = []
+
+    def accept_once() -> dict[str, Measurement]:
+        if cli(accept_argv) != 0:
+            raise SystemExit(1)
+        reports.append(json.loads((out / "accept" / "results.json").read_text()))
+        timing = reports[-1]["timing"]
+        return {
+            "accept": {"seconds": timing["total_s"]},
+            "target greedy": {"seconds": timing["baseline_s"]},
+        }
+
+    accept_timing = rounds(
+        accept_once, "target greedy", pairs=args.pairs, warmup=args.warmup, progress="accept"
+    )
+    eval_argv = (
         ["eval", *common, "--model", str(pair / "drafter"), "--regimes", "real"]
         + ["--corpus", str(ids), "--blocks", str(args.blocks), "--out", str(out / "eval")]
-        + ["--variants", *variants],
-    ]
-    for step in steps:
-        if cli(step) != 0:
-            return 1
-    accept = json.loads((out / "accept" / "results.json").read_text())
+        + ["--variants", *variants]
+    )
+    if cli(eval_argv) != 0:
+        return 1
+    accept = reports[-1]
     drift = json.loads((out / "eval" / "results.json").read_text())
     rows = join(accept, drift)
     plot(rows, out / "tau_vs_drift.png")
@@ -159,10 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         "pair": str(pair),
         "accept_config": accept["config"],
         "eval_config": {k: drift["config"][k] for k in ("blocks", "context_len", "corpus_source")},
-        "timing_s": {"accept": accept["timing"]["total_s"], "eval": drift["timing"]["total_s"]},
+        "accept_timing": accept_timing,
+        "figures_identical": all(_figures(r) == _figures(reports[0]) for r in reports),
+        "eval_s": drift["timing"]["total_s"],
         "rows": rows,
     }
-    write_result("pair", payload, table(rows), args.out)
+    write_result("pair", payload, table(rows) + "\n\n" + timing_note(payload), args.out)
     return 0
 
 

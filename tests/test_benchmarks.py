@@ -33,7 +33,18 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "register": ["--pairs", "1", "--warmup", "0"],
     "drift": ["--preset", "tiny", "--blocks", "8"],
     "drift-positions": ["--preset", "tiny", "--blocks", "4"],
-    "pair": ["--prompts", "2", "--max-tokens", "4", "--blocks", "4"],
+    "pair": [
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "4",
+        "--blocks",
+        "4",
+        "--pairs",
+        "2",
+        "--warmup",
+        "0",
+    ],
 }
 
 
@@ -178,6 +189,9 @@ def check_arithmetic(name: str, result: dict, *, committed: bool = True) -> None
             for key, over in row["overestimate"].items():
                 _close(over, row[key]["value"] - row["tau"]["value"], f"{row['variant']} {key}")
             assert len(row["lossless"]) == result["accept_config"]["num_prompts"]
+        check_rounds(result["accept_timing"], "target greedy", committed=committed)
+        # Seeded: every accept run reproduces the committed figures.
+        assert result["figures_identical"] is True
     elif name == "e2e_cpu":
         check_rounds(result, "baseline", committed=committed)
         timed = [r["measured"] for r in result["runs"] if not r["warmup"]]
@@ -242,6 +256,11 @@ def test_benchmark_runs_at_the_tiny_preset(name: str, tmp_path: Path) -> None:
         assert "time vs reference" in table and not (tmp_path / "drift_speed").exists()
     if name.startswith("drift") and name != "drift-speed":
         assert (tmp_path / result_name / "results.json").exists()
+        # --render rewrites the headline from the report alone, byte for byte.
+        written = {p: p.read_bytes() for p in tmp_path.glob(f"{result_name}.*")}
+        rerun = [sys.executable, "-m", "benchmarks", name, *SMOKE_ARGS[name], "--render"]
+        subprocess.run(rerun, cwd=ROOT, env=env, check=True, capture_output=True, timeout=120)
+        assert {p: p.read_bytes() for p in written} == written
 
 
 def test_readme_benchmark_section_is_generated_from_committed_results() -> None:
