@@ -21,7 +21,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, Measurement, add_pairing_arguments, rounds, write_result
+from benchmarks.common import (
+    RESULTS_DIR,
+    Measurement,
+    add_pairing_arguments,
+    rounds,
+    spread_text,
+    write_result,
+)
 from vllm_dspark.safety import staged
 
 PAIR = Path(__file__).resolve().parent.parent / "tests" / "data" / "pair"
@@ -98,8 +105,6 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def timing_note(payload: dict[str, Any]) -> str:
     """``accept``'s wall time per run, paired with the target's greedy decode, and the eval's."""
-    from benchmarks.common import spread_text
-
     t = payload["accept_timing"]
     figures = "identical in every run" if payload["figures_identical"] else "**not reproduced**"
     return (
