@@ -207,6 +207,8 @@ def environment() -> dict[str, Any]:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.machine(),
         "processor": platform.processor(),
+        # BF16 GEMMs run many times slower on CPUs without AVX-512: say which this was.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -129,8 +129,11 @@ def _section(heading: str, command: str, results_dir: Path, result: str) -> list
     if not table.exists():
         return []
     env = (_load(results_dir, result) or {}).get("environment", {})
+    cpu = env.get("processor") or env.get("machine", "?")
+    if "cpu_capability" in env:
+        cpu += f" ({env['cpu_capability']})"
     where = (
-        f"{env.get('date', '?')}, {env.get('processor') or env.get('machine', '?')}, "
+        f"{env.get('date', '?')}, {cpu}, "
         f"torch {env.get('torch', '?')}, {env.get('threads', '?')} threads"
     )
     return [
