@@ -176,6 +176,25 @@ def memcpy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
     return 2 * nbytes / seconds / 1e9
 
 
+def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--preset`` and ``--model``: the drafter :func:`preset_drafter` resolves from them."""
+    from vllm_dspark.checkpoint.presets import PRESETS
+
+    parser.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default="k3",
+        help="the drafter's preset (default k3, the published shapes)",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a BF16 drafter of --preset, with target/ (default /tmp/k3 for k3, "
+        "/tmp/vllm-dspark-PRESET otherwise; a random one is written there if missing)",
+    )
+
+
 def preset_drafter(path: Path | None, preset: str) -> Path:
     """The drafter to measure: ``path``, or the preset's shared random drafter (written if missing:
     ``make-random --seed 0``, in ``/tmp/k3`` for k3), refusing one of other shapes."""

@@ -25,7 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, environment, format_table, preset_drafter, write_result
+from benchmarks.common import (
+    RESULTS_DIR,
+    add_drafter_arguments,
+    environment,
+    format_table,
+    preset_drafter,
+    write_result,
+)
 from vllm_dspark.drift.cli import parse_position
 from vllm_dspark.drift.harness import EvalSpec, default_variants, run
 from vllm_dspark.drift.report import (
@@ -124,19 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--preset",
-        default="k3",
-        choices=["tiny", "small", "k3"],
-        help="the drafter's preset (default k3, the published shapes)",
-    )
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help="drafter directory with target/ (default /tmp/k3 for k3, /tmp/vllm-dspark-PRESET "
-        "otherwise; a random one is written there if missing)",
-    )
+    add_drafter_arguments(parser)
     parser.add_argument(
         "--blocks",
         type=int,

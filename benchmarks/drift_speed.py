@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.common import (
+    add_drafter_arguments,
     add_pairing_arguments,
     format_table,
     paired,
@@ -166,13 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--preset", default="k3", choices=["tiny", "small", "k3"])
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help="drafter directory with target/ (default: the preset's shared random drafter)",
-    )
+    add_drafter_arguments(parser)
     parser.add_argument("--variants", nargs="+", default=["bf16", "fp8"])
     parser.add_argument(
         "--batch-size", type=int, default=64, help="blocks per pass (default 64, as `eval`)"

@@ -6,8 +6,9 @@ Runs ``vllm-dspark accept`` (greedy, plus the confidence-scheduled mode) and ``v
 (``tests/data/pair``, made by ``vllm-dspark train-pair``), then joins them per format: measured τ
 against the drift ceiling, τ prefix and τ from 1−TV. ``accept`` runs ``--warmup`` + ``--pairs``
 times, each paired with the target's own greedy decode of the same prompts (which ``accept`` times
-first for its lossless check); its figures are seeded, so every run must reproduce them. Writes ``benchmarks/results/pair/`` (both
-tools' reports, the scatter plot) and ``benchmarks/results/pair.{json,md}``:
+first for its lossless check); its figures are seeded, so every run must reproduce them. Writes
+``benchmarks/results/pair/`` (both tools' reports, the scatter plot) and
+``benchmarks/results/pair.{json,md}``:
 
     python -m benchmarks pair
 """

@@ -32,6 +32,7 @@ from typing import Any
 
 from benchmarks.common import (
     MIN_PAIRS,
+    add_drafter_arguments,
     add_pairing_arguments,
     format_table,
     in_subprocess,
@@ -42,7 +43,6 @@ from benchmarks.common import (
     write_result,
 )
 from vllm_dspark.checkpoint import formats
-from vllm_dspark.checkpoint.presets import PRESETS
 from vllm_dspark.checkpoint.store import human_bytes, human_params
 
 
@@ -219,19 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--preset", choices=list(PRESETS), default="k3")
+    add_drafter_arguments(parser)
     parser.add_argument("--format", choices=formats.names(), default="fp8")
     parser.add_argument(
         "--workers", type=int, default=None, help="quantize --workers (default: one per core)"
     )
     add_pairing_arguments(parser)
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help="a BF16 checkpoint of --preset (default: the preset's shared random drafter, "
-        "/tmp/k3 for k3, written if missing)",
-    )
     parser.add_argument(
         "--work-dir",
         type=Path,

@@ -325,7 +325,6 @@ def stored_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
 class Checkpoint:
     """A drafter directory as read: its config, its raw config.json and its shards' headers."""
 
-    path: Path
     config: K3DSparkConfig
     config_json: dict[str, Any]
     stored: dict[str, StoredTensor]
@@ -344,7 +343,7 @@ def read_checkpoint(model_dir: str | Path) -> Checkpoint:
     model_dir = Path(model_dir)
     raw = read_config_json(model_dir)
     config = _parse_config(raw, model_dir / CONFIG_NAME)
-    return Checkpoint(model_dir, config, raw, stored_tensors(model_dir))
+    return Checkpoint(config, raw, stored_tensors(model_dir))
 
 
 def resolve_checkpoint(model_dir: str | Path) -> QuantPlan:
