@@ -41,6 +41,18 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+# The signals received under the active signals_raise(): a library may swallow the Interrupted that
+# the handler raised (tqdm's monitor start turns it into a RuntimeError it catches), so staged()
+# checks here before it commits.
+_received: list[int] = []
+
+
+def raise_if_interrupted() -> None:
+    """Raise :class:`Interrupted` if a signal arrived under :func:`signals_raise`, even one swallowed."""
+    if _received:
+        raise Interrupted(_received[0])
+
+
 # ----- output paths -----
 
 
@@ -144,6 +156,7 @@ def staged(target: str | Path, *, directory: bool, merge: bool = False) -> Itera
         staging.mkdir()
     try:
         yield staging
+        raise_if_interrupted()
         if not directory or not target.exists():
             os.replace(staging, target)
         elif merge:
@@ -179,6 +192,7 @@ def signals_raise() -> Iterator[list[int]]:
     Yields the signals received: a library that converts errors raised inside its C code (torch
     does) may deliver the interrupt as another exception type, and the caller still knows.
     """
+    global _received
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
@@ -189,9 +203,11 @@ def signals_raise() -> Iterator[list[int]]:
         raise Interrupted(signum)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    _received = received
     try:
         yield received
     finally:
+        _received = []
         for s, old in previous.items():
             signal.signal(s, old)
 

@@ -91,14 +91,21 @@ def run_command(name: str, argv: list[str], *, debug: bool = False) -> int:
     """Run subcommand ``name`` inside the error boundary; returns its exit code."""
     from safetensors import SafetensorError
 
-    from vllm_dspark.safety import Interrupted, describe_os_error, signals_raise
+    from vllm_dspark.safety import (
+        Interrupted,
+        describe_os_error,
+        raise_if_interrupted,
+        signals_raise,
+    )
 
     prog = f"vllm-dspark {name}"
     received: list[int] = []
     try:
         with signals_raise() as received:
             module = importlib.import_module(COMMANDS[name][0])
-            return int(module.main(argv) or 0)
+            code = int(module.main(argv) or 0)
+            raise_if_interrupted()  # a signal a library swallowed still ends the run as interrupted
+            return code
     except (Interrupted, KeyboardInterrupt, ValueError, OSError, SafetensorError) as e:
         if debug:
             traceback.print_exc()
