@@ -1434,7 +1434,7 @@ def test_stale_staging_of_a_killed_run_is_removed(
 def test_the_case_count_in_the_readme_is_this_files() -> None:
     """The README's "Bad input and interruption" section quotes how many cases this file runs."""
     # Every test above: the cases, the debug switches, the bug that keeps its traceback, vLLM's loader
-    # (scales, a truncated shard), the interruptions and the stale folders.
+    # (scales, a truncated shard), the interruptions, the swallowed signal and the stale folders.
     count = (
         len(CASES)
         + len(DEBUG_SWITCHES)
@@ -1442,6 +1442,7 @@ def test_the_case_count_in_the_readme_is_this_files() -> None:
         + len(VLLM_SCALES)
         + 1
         + len(INTERRUPTIONS)
+        + 1
         + len(STALE_COMMANDS)
     )
     readme = (ROOT / "README.md").read_text()
