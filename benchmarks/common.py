@@ -222,12 +222,15 @@ def preset_drafter(path: Path | None, preset: str) -> Path:
 def environment() -> dict[str, Any]:
     import torch
 
+    from vllm_dspark.reference.drafter import native_bf16_gemm
+
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.machine(),
         "processor": platform.processor(),
         # BF16 GEMMs run many times slower on CPUs without AVX-512: say which this was.
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_gemm": "oneDNN" if native_bf16_gemm() else "FP32 GEMM of the BF16 values",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

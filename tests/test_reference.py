@@ -291,6 +291,27 @@ def test_linear_upcasts_large_weights_in_slabs(monkeypatch) -> None:
     torch.testing.assert_close(whole, x @ w.float().T + bias, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_linear_without_native_bf16_gemm_matches_torchs_bf16_gemm(
+    monkeypatch, native: bool
+) -> None:
+    """On CPUs without AVX-512 the BF16 product runs as an FP32 GEMM of the BF16 values: it must give
+    torch's own BF16 GEMM (FP32 accumulation) up to the output's rounding."""
+    monkeypatch.setattr(reference, "native_bf16_gemm", lambda: native)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 300, generator=g).to(torch.bfloat16)
+    w = torch.randn(200, 300, generator=g).to(torch.bfloat16)
+    bias = torch.randn(200, generator=g).to(torch.bfloat16)
+    out = reference.linear(x, w, bias)
+    assert out.dtype == torch.bfloat16
+    exact = x.double() @ w.double().T + bias.double()
+    # Within one BF16 rounding (2^-8 relative) of the exact sum, as torch's BF16 GEMM is.
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), rtol=2**-7, atol=0)
+    if not native:  # the FP32 GEMM of the BF16 values, rounded once
+        assert torch.equal(out, reference.linear(x.float(), w, bias).to(torch.bfloat16))
+
+
 def test_from_state_dict_rejects_mismatches(config) -> None:
     tensors = dict(random_drafter_tensors(config, seed=0))
     embed = tensors["embed_tokens.weight"]

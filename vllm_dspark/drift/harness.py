@@ -152,6 +152,16 @@ def batches(
         )
 
 
+def timed_batches(cell_batches: Iterator[Batch], record: dict[str, list]) -> Iterator[Batch]:
+    """``cell_batches``, appending each batch's block count and the seconds its consumer spent on it
+    to ``record["blocks"]`` and ``record["seconds"]``."""
+    for batch in cell_batches:
+        start = time.perf_counter()
+        yield batch
+        record["blocks"].append(len(batch.ids))
+        record["seconds"].append(time.perf_counter() - start)
+
+
 def make_blocks(spec: EvalSpec, config: K3DSparkConfig, reference: ReferenceDrafter) -> Blocks:
     stream, source = corpus_mod.load_corpus(
         spec.corpus, tokenizer=spec.tokenizer, vocab_size=config.vocab_size
@@ -491,6 +501,9 @@ def run(spec: EvalSpec) -> dict[str, Any]:
     total = spec.blocks * len(cells)
     results_cells: list[dict[str, Any]] = []
     sources: dict[str, str] = {}
+    # Every batch of every pass, timed: the run's own spread, and its slowest case.
+    reference_pass: dict[str, list] = {"blocks": [], "seconds": []}
+    variant_passes: dict[str, dict[str, list]] = {}
     with spill_dir() as spill_root:
         t0 = time.perf_counter()
         ref_cells: dict[tuple[str, int], ReferenceCell] = {}
@@ -502,7 +515,7 @@ def run(spec: EvalSpec) -> dict[str, Any]:
                 spill = spill_root / f"reference-{regime}-{position}.npy"
                 shape = (spec.blocks, config.block_size, config.vocab_size)
                 ref_cells[regime, position] = reference_cell(
-                    reference, cell_batches, spill, shape, bar
+                    reference, timed_batches(cell_batches, reference_pass), spill, shape, bar
                 )
         timing["reference_s"] = time.perf_counter() - t0
 
@@ -527,7 +540,10 @@ def run(spec: EvalSpec) -> dict[str, Any]:
                     records = variant_cell(
                         variant,
                         ref_cells[regime, position],
-                        batches(spec, config, blocks, regime, position),
+                        timed_batches(
+                            batches(spec, config, blocks, regime, position),
+                            variant_passes.setdefault(label, {"blocks": [], "seconds": []}),
+                        ),
                         bar,
                         label,
                         absorbed=name != SELF_CHECK,
@@ -545,6 +561,7 @@ def run(spec: EvalSpec) -> dict[str, Any]:
             gc.collect()
         ref_cells.clear()  # unmap the spill files before their directory goes
 
+    timing["passes"] = {"reference": reference_pass, "variants": variant_passes}
     evaluated = total * len(spec.variants)
     timing["blocks_per_s"] = evaluated / max(
         sum(v for k, v in timing.items() if k.startswith("eval_")), 1e-9
