@@ -292,7 +292,7 @@ def test_linear_upcasts_large_weights_in_slabs(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_bf16_linear_without_native_bf16_gemm_matches_torchs_bf16_gemm(
+def test_bf16_products_without_native_bf16_gemm_match_torchs_bf16_gemm(
     monkeypatch, native: bool
 ) -> None:
     """On CPUs without AVX-512 the BF16 product runs as an FP32 GEMM of the BF16 values: it must give
@@ -310,6 +310,11 @@ def test_bf16_linear_without_native_bf16_gemm_matches_torchs_bf16_gemm(
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), rtol=2**-7, atol=0)
     if not native:  # the FP32 GEMM of the BF16 values, rounded once
         assert torch.equal(out, reference.linear(x.float(), w, bias).to(torch.bfloat16))
+    q = torch.randn(2, 3, 4, 300, generator=g).to(torch.bfloat16)
+    out = reference.einsum("bnhp,hpl->bnhl", q, w.view(4, 50, 300).transpose(1, 2))
+    assert out.dtype == torch.bfloat16
+    exact = torch.einsum("bnhp,hpl->bnhl", q.double(), w.view(4, 50, 300).transpose(1, 2).double())
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-6)
 
 
 def test_from_state_dict_rejects_mismatches(config) -> None:

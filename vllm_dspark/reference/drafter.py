@@ -62,11 +62,25 @@ def native_bf16_gemm() -> bool:
         return torch.backends.cpu.get_cpu_capability() != "AVX2"
 
 
+def _bf16_via_fp32(x: torch.Tensor) -> bool:
+    """Whether a BF16 product with ``x`` runs as an FP32 one of the same values, rounded once after.
+
+    BF16 products are exact in FP32 and BF16 GEMMs accumulate in FP32: the same sums, at FP32's
+    speed rather than the ~6x slower generic BF16 loop of CPUs without AVX-512.
+    """
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not native_bf16_gemm()
+
+
+def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum`` of two operands in ``a.dtype``."""
+    if _bf16_via_fp32(a):
+        return torch.einsum(equation, a.float(), b.float()).to(a.dtype)
+    return torch.einsum(equation, a, b)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` computed in ``x.dtype`` whatever the weight's storage dtype."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not native_bf16_gemm():
-        # BF16 products are exact in FP32 and BF16 GEMMs accumulate in FP32: the same sums, at FP32's
-        # speed rather than the ~6x slower generic BF16 loop of CPUs without AVX-512.
+    if _bf16_via_fp32(x):
         return linear(x.float(), weight, bias).to(x.dtype)
     if bias is not None:
         bias = bias.to(x.dtype)
@@ -199,7 +213,7 @@ class MultiHeadLatentAttention(nn.Module):
         # The rope part of the key is one MQA head shared by every query head.
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.num_heads, -1)], dim=-1)
         probs = self._probs(torch.cat([q_nope, q_pe], dim=-1), k, "bnhd,bshd->bhns", key_mask)
-        return torch.einsum("bhns,bshd->bnhd", probs, v)
+        return einsum("bhns,bshd->bnhd", probs, v)
 
     def _attend_absorbed(self, q_nope, q_pe, latents, key_mask) -> torch.Tensor:
         """Fold ``W_UK`` into the query, attend over the latents themselves, apply ``W_UV`` after.
@@ -213,12 +227,12 @@ class MultiHeadLatentAttention(nn.Module):
             self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1
         )
         w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
-        q_latent = torch.einsum("bnhp,hpl->bnhl", q_nope, w_uk)
+        q_latent = einsum("bnhp,hpl->bnhl", q_nope, w_uk)
         probs = self._probs(
             torch.cat([q_latent, q_pe], dim=-1), latents, "bnhd,bsd->bhns", key_mask
         )
-        out_latent = torch.einsum("bhns,bsl->bnhl", probs, kv_c)
-        return torch.einsum("bnhl,hvl->bnhv", out_latent, w_uv)
+        out_latent = einsum("bhns,bsl->bnhl", probs, kv_c)
+        return einsum("bnhl,hvl->bnhv", out_latent, w_uv)
 
 
 class MLP(nn.Module):
