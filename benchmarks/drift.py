@@ -86,11 +86,10 @@ def passes(timing: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def slowest_case_s(timing: dict[str, Any]) -> float:
-    """The run's wall time had every batch of each pass taken that pass's slowest seconds per block."""
-    return timing["total_s"] + sum(
-        p["s_per_block"]["max"] * p["blocks"] - p["seconds"] for p in passes(timing)
-    )
+def slowest_case_s(total_s: float, rows: list[dict[str, Any]]) -> float:
+    """The run's wall time had every batch of each pass (``rows``, from :func:`passes`) taken that
+    pass's slowest seconds per block."""
+    return total_s + sum(p["s_per_block"]["max"] * p["blocks"] - p["seconds"] for p in rows)
 
 
 def headline(results: dict[str, Any], report_dir: str) -> str:
@@ -98,13 +97,14 @@ def headline(results: dict[str, Any], report_dir: str) -> str:
     had every batch been its pass's slowest), CI widths, the ceiling summary and the heavy-regime
     metric set. ``drift-speed`` pairs each pass with the reference's, in turn."""
     cfg, timing = results["config"], results["timing"]
+    timed = passes(timing)
     row = {
         "preset": cfg["preset"],
         "blocks/regime": cfg["blocks"],
         "context": cfg["context_len"],
         "variants": len(cfg["variants"]),
         "run min": timing["total_s"] / 60,
-        "slowest-case min": slowest_case_s(timing) / 60,
+        "slowest-case min": slowest_case_s(timing["total_s"], timed) / 60,
         "worst_CI_greedy_pp": worst_half_width_pp(results, ["greedy_agreement"]),
         "worst_CI_rollout_pp": worst_half_width_pp(results, ["rollout_agreement"]),
     }
@@ -115,7 +115,7 @@ def headline(results: dict[str, Any], report_dir: str) -> str:
             "s/block: median (min–max)": spread_text(p["s_per_block"], ".3g"),
             "pass min": p["seconds"] / 60,
         }
-        for p in passes(timing)
+        for p in timed
     ]
     lines = [
         format_table([row], list(row)),
@@ -237,13 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         results["config"]["preset"] = args.preset
         results["environment"] = environment()
         files = write_report(results, out)
+    pass_rows = passes(results["timing"])
     payload = {
         "preset": results["config"]["preset"],
         "model": results["config"]["model"],
         "report": _display(out),
         "timing": results["timing"],
-        "passes": passes(results["timing"]),
-        "slowest_case_s": slowest_case_s(results["timing"]),
+        "passes": pass_rows,
+        "slowest_case_s": slowest_case_s(results["timing"]["total_s"], pass_rows),
         "config": _config_summary(results),
         "ceiling": {
             f"{c['variant']}/{c['regime']}/{c['position']}": c["metrics"]["ceiling"]

@@ -203,11 +203,11 @@ def signals_raise() -> Iterator[list[int]]:
         raise Interrupted(signum)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    _received = received
+    outer, _received = _received, received
     try:
         yield received
     finally:
-        _received = []
+        _received = outer
         for s, old in previous.items():
             signal.signal(s, old)
 
