@@ -1400,6 +1400,42 @@ def test_a_signal_a_library_swallowed_still_stops_the_output(tmp_path: Path) -> 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_signal_before_the_with_block_begins_leaves_no_staging(tmp_path: Path) -> None:
+    """SIGTERM after staged() made its folder but before the with-block began, where no ``__exit__``
+    runs (CI caught the real run there): signals_raise() removes the folder on its way out."""
+    from vllm_dspark.safety import Interrupted, signals_raise, staged
+
+    context = staged(tmp_path / "out", directory=True)  # kept alive: no garbage collection cleans up
+    with pytest.raises(Interrupted), signals_raise():
+        staging = context.__enter__()  # what `with` does before its body
+        assert staging.is_dir()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_signal_during_the_commit_waits_for_it(tmp_path: Path, monkeypatch) -> None:
+    """SIGTERM between the two renames that replace an output: both happen, then the run stops, so
+    the new output is in place and no old one is left aside."""
+    from vllm_dspark.safety import Interrupted, signals_raise, staged
+
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "weights").write_text("old")
+    rename = os.replace
+
+    def rename_then_signal(src: Path, dst: Path) -> None:
+        rename(src, dst)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(Interrupted), signals_raise():
+        with staged(target, directory=True) as staging:
+            (staging / "weights").write_text("new")
+            monkeypatch.setattr(os, "replace", rename_then_signal)
+    assert list(tmp_path.iterdir()) == [target]
+    assert (target / "weights").read_text() == "new"
+
+
 @pytest.mark.parametrize("command", STALE_COMMANDS)
 def test_stale_staging_of_a_killed_run_is_removed(
     command: str, ckpts, tmp_path: Path, isolated_tmpdir: Path, one_torch_thread

@@ -3,7 +3,9 @@
 
 - :func:`check_output` refuses an output path that is, lies inside, contains or is one of the inputs;
 - :func:`staged` builds an output beside its target and renames it into place only when complete;
-  an exception (a failure, Ctrl-C, or SIGTERM under :func:`signals_raise`) removes it instead;
+  an exception (a failure, Ctrl-C, or SIGTERM under :func:`signals_raise`) removes it instead,
+  and :func:`signals_raise` removes one that a signal left before its with-block began;
+- :func:`held_signals` defers a signal to the end of a step that must not be cut in two;
 - :func:`spill_dir` is a temporary folder for large scratch files, removed the same way;
 - staging and spill folders carry their writer's PID, so the next run removes those of a killed
   process (SIGKILL leaves them behind) and says so;
@@ -45,6 +47,13 @@ class Interrupted(BaseException):
 # the handler raised (tqdm's monitor start turns it into a RuntimeError it catches), so staged()
 # checks here before it commits.
 _received: list[int] = []
+
+# Staging paths neither committed nor removed yet. A signal that lands after a staging path exists but
+# before its with-block begins (no __exit__ will run) leaves it here, and signals_raise() removes it.
+_uncommitted: set[Path] = set()
+
+# Above zero inside held_signals(): the handler notes a signal without raising it.
+_held = 0
 
 
 def raise_if_interrupted() -> None:
@@ -152,28 +161,36 @@ def staged(target: str | Path, *, directory: bool, merge: bool = False) -> Itera
     _sweep(parent, _STAGING_RE, name=target.name)
     staging = parent / f".{target.name}.partial-{os.getpid()}"
     _remove(staging)
-    if directory:
-        staging.mkdir()
+    _uncommitted.add(staging)
     try:
+        if directory:
+            staging.mkdir()
         yield staging
         raise_if_interrupted()
-        if not directory or not target.exists():
-            os.replace(staging, target)
-        elif merge:
-            for child in staging.iterdir():
-                if (target / child.name).is_dir():
-                    shutil.rmtree(target / child.name)
-                os.replace(child, target / child.name)
-            staging.rmdir()
-        else:
-            old = parent / f".{target.name}.old-{os.getpid()}"
-            _remove(old)
-            os.replace(target, old)
-            os.replace(staging, target)
-            _remove(old)
+        with held_signals():  # a signal between two renames would leave neither output in place
+            _commit(staging, target, directory=directory, merge=merge)
     except BaseException:
         _remove(staging)
         raise
+    finally:
+        _uncommitted.discard(staging)
+
+
+def _commit(staging: Path, target: Path, *, directory: bool, merge: bool) -> None:
+    if not directory or not target.exists():
+        os.replace(staging, target)
+    elif merge:
+        for child in staging.iterdir():
+            if (target / child.name).is_dir():
+                shutil.rmtree(target / child.name)
+            os.replace(child, target / child.name)
+        staging.rmdir()
+    else:
+        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        _remove(old)
+        os.replace(target, old)
+        os.replace(staging, target)
+        _remove(old)
 
 
 @contextmanager
@@ -192,7 +209,7 @@ def signals_raise() -> Iterator[list[int]]:
     Yields the signals received: a library that converts errors raised inside its C code (torch
     does) may deliver the interrupt as another exception type, and the caller still knows.
     """
-    global _received
+    global _received, _held
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
@@ -200,16 +217,37 @@ def signals_raise() -> Iterator[list[int]]:
 
     def handler(signum: int, frame: object) -> None:
         received.append(signum)
-        raise Interrupted(signum)
+        if not _held:
+            raise Interrupted(signum)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     outer, _received = _received, received
     try:
         yield received
     finally:
-        _received = outer
+        _held += 1  # a second signal is noted, not raised, until the sweep and the restore are done
+        for path in list(_uncommitted):  # interrupted where no staged() exit could run
+            _remove(path)
+            _uncommitted.discard(path)
         for s, old in previous.items():
             signal.signal(s, old)
+        _held -= 1
+        _received = outer
+
+
+@contextmanager
+def held_signals() -> Iterator[None]:
+    """Under :func:`signals_raise`, a SIGINT or SIGTERM during this step is raised when it ends, not inside it."""
+    global _held
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python runs signal handlers in the main thread only: nothing can cut this one
+        return
+    _held += 1
+    try:
+        yield
+    finally:
+        _held -= 1
+    raise_if_interrupted()
 
 
 _OS_FIXES = {

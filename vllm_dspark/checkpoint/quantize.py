@@ -16,13 +16,12 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,13 @@ from vllm_dspark.checkpoint.store import (
     read_checkpoint,
     validate_tensor_shapes,
 )
-from vllm_dspark.safety import check_output, refuse_nonempty, require_finite, staged
+from vllm_dspark.safety import (
+    check_output,
+    held_signals,
+    refuse_nonempty,
+    require_finite,
+    staged,
+)
 from vllm_dspark.tools.cli import ArgumentParser
 
 REPORT_NAME = "quantization_report"
@@ -179,17 +184,6 @@ def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
         tensors = (_read(quantized[m].stored, quantized[m].key).to(device) for m in members)
         scales.update(dict.fromkeys(members, fmt.shared_global_scale(tensors)))
     return scales
-
-
-@contextmanager
-def _signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM while threads start: an interrupt raised inside ``Thread.start``
-    would leave a thread that the executor's shutdown never joins, writing after the cleanup."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _rows(item: _Item) -> list[slice]:
@@ -355,7 +349,7 @@ def _write_quantized(
         pool = stack.enter_context(ThreadPoolExecutor(workers, thread_name_prefix="quantize"))
         # Unwound first: on error, drop the chunks not started before the writers abort their files.
         stack.callback(pool.shutdown, wait=True, cancel_futures=True)
-        with _signals_held():
+        with held_signals():  # an interrupt inside Thread.start leaves a thread no shutdown joins
             jobs = [
                 (
                     item,
@@ -442,7 +436,7 @@ def quantize_checkpoint(
         torch.set_num_threads(max(1, threads // workers))
         with staged(output_dir, directory=True) as staging, ThreadPoolExecutor(1) as side:
             # The other files (the target's heads: GiBs) copy in the kernel meanwhile.
-            with _signals_held():
+            with held_signals():
                 others = side.submit(_copy_other_files, model_dir, staging)
             # Process-global: held for the run so no worker's own stance lapses while another's is set.
             with torch.compiler.set_stance("force_eager"):
