@@ -1405,7 +1405,7 @@ def test_a_signal_before_the_with_block_begins_leaves_no_staging(tmp_path: Path)
     runs (CI caught the real run there): signals_raise() removes the folder on its way out."""
     from vllm_dspark.safety import Interrupted, signals_raise, staged
 
-    context = staged(tmp_path / "out", directory=True)  # kept alive: no garbage collection cleans up
+    context = staged(tmp_path / "out", directory=True)  # kept alive, so no collection cleans up
     with pytest.raises(Interrupted), signals_raise():
         staging = context.__enter__()  # what `with` does before its body
         assert staging.is_dir()
