@@ -20,8 +20,10 @@ Tolerance: both sides compute in FP32 from the same weights and differ only in o
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -41,27 +43,32 @@ LONG_CONTEXT = {"context_lens": (9, 40000), "block_size": 64}
 
 
 @pytest.fixture(scope="module")
-def served(tiny_mla_target: Path, tiny_checkpoint: Path) -> Served:
-    return load_drafter(tiny_mla_target, tiny_checkpoint)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_checkpoint: Path):
+def drafters(tiny_mla_target: Path, request) -> Callable[[str], tuple[Served, Any]]:
+    """The served drafter and its FP32 reference for a checkpoint fixture's name, each loaded once."""
     from vllm_dspark.reference.drafter import ReferenceDrafter
 
-    return ReferenceDrafter.from_pretrained(tiny_checkpoint)
+    loaded: dict[str, tuple[Served, Any]] = {}
+
+    def load(checkpoint: str) -> tuple[Served, Any]:
+        if checkpoint not in loaded:
+            path = request.getfixturevalue(checkpoint)
+            loaded[checkpoint] = (
+                load_drafter(tiny_mla_target, path),
+                ReferenceDrafter.from_pretrained(path),
+            )
+        return loaded[checkpoint]
+
+    return load
 
 
 @pytest.fixture(scope="module")
-def served_skewed(tiny_mla_target: Path, skewed_checkpoint: Path) -> Served:
-    return load_drafter(tiny_mla_target, skewed_checkpoint)
+def served(drafters) -> Served:
+    return drafters("tiny_checkpoint")[0]
 
 
 @pytest.fixture(scope="module")
-def reference_skewed(skewed_checkpoint: Path):
-    from vllm_dspark.reference.drafter import ReferenceDrafter
-
-    return ReferenceDrafter.from_pretrained(skewed_checkpoint)
+def reference(drafters):
+    return drafters("tiny_checkpoint")[1]
 
 
 def _fresh_model(served: Served):
@@ -140,9 +147,8 @@ def test_every_hook_matches_the_fp32_reference(served: Served, reference) -> Non
     assert_hooks_match_reference(served, reference, **FP32_TOL)
 
 
-def test_skewed_drafter_at_a_long_context_matches_the_fp32_reference(
-    served_skewed: Served, reference_skewed
-) -> None:
+def test_skewed_drafter_at_a_long_context_matches_the_fp32_reference(drafters) -> None:
+    served_skewed, reference_skewed = drafters("skewed_checkpoint")
     config = served_skewed.model.config
     rope = config.rope_parameters
     assert config.logit_scale != 1.0 and rope["mscale"] != rope["mscale_all_dim"]
@@ -157,19 +163,16 @@ def test_skewed_drafter_at_a_long_context_matches_the_fp32_reference(
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("drafter", ["tiny", "skewed-long-context"])
 def test_drafted_block_matches_the_reference_draft(
-    request, drafter: str, temperature: float
+    drafters, drafter: str, temperature: float
 ) -> None:
     """One speculator step end to end (hooks + the shared Markov rollout) drafts the reference's tokens."""
     from vllm_dspark.ops.sampling import markov_rollout
 
     if drafter == "tiny":
-        served, reference = request.getfixturevalue("served"), request.getfixturevalue("reference")
+        served, reference = drafters("tiny_checkpoint")
         batch = make_batch(served.model.config, seed=1)
     else:
-        served, reference = (
-            request.getfixturevalue("served_skewed"),
-            request.getfixturevalue("reference_skewed"),
-        )
+        served, reference = drafters("skewed_checkpoint")
         batch = make_batch(served.model.config, seed=1, **LONG_CONTEXT)
     model, config = served.model, served.model.config
     bind_caches(model, batch, torch.float32)
