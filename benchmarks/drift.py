@@ -12,7 +12,7 @@ this model; they are not the published checkpoint's drift. The k3 run holds ~17 
 machine's cores, so on shared machines run it under the k3 lock. ``python -m benchmarks`` names
 the committed runs (``drift``, ``drift-positions``):
 
-    flock /tmp/k3.lock python -m benchmarks drift            # 640 blocks per regime, ~55 min
+    flock /tmp/k3.lock python -m benchmarks drift            # 640 blocks per regime, an hour or more
     flock /tmp/k3.lock python -m benchmarks drift-positions  # the YaRN-range sweep
 """
 

@@ -83,14 +83,14 @@ BENCHMARKS: dict[str, Benchmark] = {
     ),
     "drift": Benchmark(
         "benchmarks.drift",
-        "drift report at real shapes: table with CIs under 2 pp, plots (~55 min)",
+        "drift report at real shapes: table with CIs under 2 pp, plots (an hour or more)",
         "drift",
         "Cost benchmark: the drift report at real shapes (`k3` preset, random weights)",
         in_all=False,
     ),
     "drift-positions": Benchmark(
         "benchmarks.drift",
-        "drift through the YaRN range: anchors at 4k .. 1000k, heavy regime (~40 min)",
+        "drift through the YaRN range: anchors at 4k .. 1000k, heavy regime (an hour or more)",
         "drift_positions",
         "Cost benchmark: drift through the YaRN range (`k3`, random weights)",
         args=DRIFT_POSITIONS,
