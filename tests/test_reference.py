@@ -296,20 +296,24 @@ def test_bf16_products_without_native_bf16_gemm_match_torchs_bf16_gemm(
     monkeypatch, native: bool
 ) -> None:
     """On CPUs without AVX-512 the BF16 product runs as an FP32 GEMM of the BF16 values: it must give
-    torch's own BF16 GEMM (FP32 accumulation) up to the output's rounding."""
+    torch's own BF16 GEMM (FP32 accumulation) up to the output's rounding. Up to 16 rows it stays native."""
     monkeypatch.setattr(reference, "native_bf16_gemm", lambda: native)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 300, generator=g).to(torch.bfloat16)
     w = torch.randn(200, 300, generator=g).to(torch.bfloat16)
     bias = torch.randn(200, generator=g).to(torch.bfloat16)
-    out = reference.linear(x, w, bias)
-    assert out.dtype == torch.bfloat16
-    exact = x.double() @ w.double().T + bias.double()
-    # Within one BF16 rounding (2^-8 relative) of the exact sum, as torch's BF16 GEMM is.
-    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-6)
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), rtol=2**-7, atol=0)
-    if not native:  # the FP32 GEMM of the BF16 values, rounded once
-        assert torch.equal(out, reference.linear(x.float(), w, bias).to(torch.bfloat16))
+    for rows in (16, 17):
+        x = torch.randn(rows, 300, generator=g).to(torch.bfloat16)
+        out = reference.linear(x, w, bias)
+        assert out.dtype == torch.bfloat16
+        exact = x.double() @ w.double().T + bias.double()
+        # Within one BF16 rounding (2^-8 relative) of the exact sum, as torch's BF16 GEMM is.
+        torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-6)
+        native_out = torch.nn.functional.linear(x, w, bias)
+        torch.testing.assert_close(out, native_out, rtol=2**-7, atol=0)
+        if native or rows <= 16:
+            assert torch.equal(out, native_out)
+        else:  # the FP32 GEMM of the BF16 values, rounded once
+            assert torch.equal(out, reference.linear(x.float(), w, bias).to(torch.bfloat16))
     q = torch.randn(2, 3, 4, 300, generator=g).to(torch.bfloat16)
     out = reference.einsum("bnhp,hpl->bnhl", q, w.view(4, 50, 300).transpose(1, 2))
     assert out.dtype == torch.bfloat16
