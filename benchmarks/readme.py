@@ -107,13 +107,9 @@ def goals(results_dir: Path = RESULTS_DIR) -> list[dict[str, str]]:
             f"drift report ({drift['preset']}, {len(drift['config']['regimes'])} regimes, "
             f"{len(drift['config']['variants'])} variants) under an hour on CPU"
         )
-        if "slowest_case_s" in drift:
-            slowest = drift["slowest_case_s"] / 60
-            what += ", had every batch been its pass's slowest"
-            goal(what, f"{slowest:.1f} min (run {minutes:.1f})", slowest < 60, "drift")
-        else:  # a report from before passes were timed per batch
-            what += " (one run: its passes' throughput is paired in drift-speed)"
-            goal(what, f"{minutes:.1f} min", minutes < 60, "drift")
+        slowest = drift["slowest_case_s"] / 60
+        what += ", had every batch been its pass's slowest"
+        goal(what, f"{slowest:.1f} min (run {minutes:.1f})", slowest < 60, "drift")
         report = results_dir / "drift" / "results.json"
         if report.exists():
             worst = worst_half_width_pp(json.loads(report.read_text()))

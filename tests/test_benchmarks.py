@@ -179,22 +179,21 @@ def check_arithmetic(name: str, result: dict, *, committed: bool = True) -> None
         )
         eval_s = sum(v for k, v in timing.items() if k.startswith("eval_"))
         _close(timing["blocks_per_s"], evaluated / eval_s, "blocks_per_s")
-        if "passes" in result:  # timed per batch (reports from before hold one total per pass)
-            recorded = timing["passes"]
-            assert list(recorded["variants"]) == config["variants"]
-            batches = [recorded["reference"], *recorded["variants"].values()]
-            # Each pass's batches lie within its wall time (loads and inputs are outside them).
-            walls = [timing["reference_s"]] + [timing[f"eval_{v}_s"] for v in config["variants"]]
-            extra = 0.0
-            for row, record, wall in zip(result["passes"], batches, walls, strict=True):
-                assert sum(record["blocks"]) == row["blocks"] == evaluated / len(config["variants"])
-                _close(row["seconds"], sum(record["seconds"]), f"{row['pass']} seconds")
-                assert row["seconds"] <= wall
-                rates = [s / b for s, b in zip(record["seconds"], record["blocks"])]
-                assert row["s_per_block"]["max"] == max(rates)
-                assert row["s_per_block"]["min"] == min(rates)
-                extra += max(rates) * row["blocks"] - row["seconds"]
-            _close(result["slowest_case_s"], timing["total_s"] + extra, "slowest_case_s")
+        recorded = timing["passes"]
+        assert list(recorded["variants"]) == config["variants"]
+        batches = [recorded["reference"], *recorded["variants"].values()]
+        # Each pass's batches lie within its wall time (loads and inputs are outside them).
+        walls = [timing["reference_s"]] + [timing[f"eval_{v}_s"] for v in config["variants"]]
+        extra = 0.0
+        for row, record, wall in zip(result["passes"], batches, walls, strict=True):
+            assert sum(record["blocks"]) == row["blocks"] == evaluated / len(config["variants"])
+            _close(row["seconds"], sum(record["seconds"]), f"{row['pass']} seconds")
+            assert row["seconds"] <= wall
+            rates = [s / b for s, b in zip(record["seconds"], record["blocks"])]
+            assert row["s_per_block"]["max"] == max(rates)
+            assert row["s_per_block"]["min"] == min(rates)
+            extra += max(rates) * row["blocks"] - row["seconds"]
+        _close(result["slowest_case_s"], timing["total_s"] + extra, "slowest_case_s")
     elif name == "pair":
         assert result["rows"]
         # The results name their inputs by paths that hold on any clone: no temporary files.
