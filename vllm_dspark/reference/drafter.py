@@ -67,15 +67,12 @@ def native_bf16_gemm() -> bool:
 _NATIVE_BF16_MAX_ROWS = 16
 
 
-def _bf16_via_fp32(x: torch.Tensor, *, rows: int | None = None) -> bool:
+def _bf16_via_fp32(x: torch.Tensor) -> bool:
     """Whether a BF16 product with ``x`` runs as an FP32 one of the same values, rounded once after.
 
     BF16 products are exact in FP32 and BF16 GEMMs accumulate in FP32: the same sums, at FP32's
-    speed rather than the ~6x slower generic BF16 loop of CPUs without AVX-512. ``rows``: a GEMM's
-    row count, which at ``_NATIVE_BF16_MAX_ROWS`` or fewer keeps the native loop.
+    speed rather than the ~6x slower generic BF16 loop of CPUs without AVX-512.
     """
-    if rows is not None and rows <= _NATIVE_BF16_MAX_ROWS:
-        return False
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not native_bf16_gemm()
 
 
@@ -88,7 +85,7 @@ def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` computed in ``x.dtype`` whatever the weight's storage dtype."""
-    if _bf16_via_fp32(x, rows=x.numel() // x.shape[-1]):
+    if x.numel() > _NATIVE_BF16_MAX_ROWS * x.shape[-1] and _bf16_via_fp32(x):
         return linear(x.float(), weight, bias).to(x.dtype)
     if bias is not None:
         bias = bias.to(x.dtype)
