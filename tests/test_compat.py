@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import faulthandler
 import importlib.util
+import inspect
 import json
 import os
 from collections.abc import Callable
@@ -18,12 +19,15 @@ from typing import Any
 import pytest
 
 from vllm_dspark import compat
+from vllm_dspark.version import VLLM_CPU_BUILD, VLLM_GPU_BUILDS
 
 pytestmark = pytest.mark.vllm_api
 
 
 @pytest.mark.parametrize("touchpoint", compat.TOUCHPOINTS, ids=lambda t: t.name)
 def test_touchpoint_resolves_in_the_installed_vllm(touchpoint: compat.Touchpoint) -> None:
+    if not touchpoint.applies():
+        pytest.skip(f"{touchpoint.name} is for vLLM {touchpoint.versions}")
     assert touchpoint.resolve() is not None
 
 
@@ -36,9 +40,33 @@ def test_each_touchpoint_is_verified_on_the_installed_vllm() -> None:
     assert len(set(names)) == len(names)
     for t in compat.TOUCHPOINTS:
         assert t.why and "\n" not in t.why, t.name
-        assert installed in {v.split()[-1] for v in t.verified}, (
-            f"{t.name} was not verified on vLLM {installed}: re-check it, then add the version"
-        )
+        if t.applies():
+            assert installed in {v.split()[-1] for v in t.verified}, (
+                f"{t.name} was not verified on vLLM {installed}: re-check it, then add the version"
+            )
+
+
+def test_touchpoints_name_the_supported_builds_they_apply_to() -> None:
+    """Each entry is verified on exactly the supported builds in its version range (version.py)."""
+    builds = [VLLM_CPU_BUILD, *VLLM_GPU_BUILDS]
+    for t in compat.TOUCHPOINTS:
+        assert set(t.verified) == {f"{n} {v}" for n, v in builds if t.applies_to(v)}, t.name
+    # A moved internal keeps one entry per build: the old one's range ends where the new one's starts.
+    for old, new in (
+        (compat.ACCELERATOR_NOOP, compat.ACCELERATOR_NOOP_SHM),
+        (compat.V1_RUNNER_CHECK, compat.CPU_TRITON_REQUIREMENT),
+    ):
+        assert [old.applies_to(v) != new.applies_to(v) for _, v in builds] == [True] * len(builds)
+
+
+def test_the_specialized_decode_setting_is_vllms() -> None:
+    """The doctor's (decode_backend, latency_specialized) is what the Kimi-K3 target reads."""
+    if not compat.SPECIALIZED_DECODE_SETTING.applies():
+        pytest.skip("this vLLM has no specialized K3 drafter")
+    runtime, _ = compat.SPECIALIZED_DECODE_SETTING.owner()
+    key, value = compat.SPECIALIZED_DECODE
+    assert runtime.SPECIALIZED == value
+    assert f'"{key}"' in inspect.getsource(compat.SPECIALIZED_DECODE_SETTING.resolve())
 
 
 # What importing a backend class raises where its kernels are not built or installed (flashinfer on
@@ -93,7 +121,8 @@ def _sets_non_causal_flag(backend) -> bool:
 
 
 def test_the_doctors_backend_table_is_vllms() -> None:
-    """DRAFT_ATTENTION_BACKENDS lists exactly the backends vLLM lets run a draft block, as vLLM declares them."""
+    """DRAFT_ATTENTION_BACKENDS lists exactly the backends this vLLM lets run a draft block, as vLLM declares them."""
+    import vllm
     from vllm.platforms.interface import DeviceCapability
 
     enum = compat.ATTENTION_BACKENDS.resolve()
@@ -105,19 +134,38 @@ def test_the_doctors_backend_table_is_vllms() -> None:
             continue
         registered.append(backend)
     non_causal = {b.name for b in registered if "MLA" in b.name and _sets_non_causal_flag(b)}
-    assert non_causal == set(compat.DRAFT_ATTENTION_BACKENDS)
-    for name, rule in compat.DRAFT_ATTENTION_BACKENDS.items():
+    here = {n for n, r in compat.DRAFT_ATTENTION_BACKENDS.items() if r.in_vllm(vllm.__version__)}
+    assert non_causal == here
+    for name in here:
+        rule = compat.DRAFT_ATTENTION_BACKENDS[name]
 
-        def declared(backend=enum[name]) -> tuple[list[str], list[int]]:
+        def declared(backend=enum[name]) -> tuple[list[str], list[int], list[str]]:
             cls = backend.get_class()
             majors = [
                 m for m in range(7, 13) if cls.supports_compute_capability(DeviceCapability(m, 0))
             ]
-            return list(cls.supported_kv_cache_dtypes), majors
+            dtypes = [str(d).removeprefix("torch.") for d in cls.supported_dtypes]
+            return list(cls.supported_kv_cache_dtypes), majors, dtypes
 
         found = _in_forked_child(declared)
         if found is _UNAVAILABLE:
             continue  # its kernels are not installed with this build
-        kv_cache_dtypes, majors = found
+        kv_cache_dtypes, majors, dtypes = found
         assert tuple(kv_cache_dtypes) == rule.kv_cache_dtypes, name
         assert majors == (list(rule.majors) if rule.majors else list(range(7, 13))), name
+        assert tuple(dtypes) == rule.dtypes, name
+
+
+def test_the_kv_balanced_backends_mla_dimensions_are_vllms() -> None:
+    """The doctor's mla_dims for KIMI_K3_KV_BALANCED_MLA are the constants its kernels are built for."""
+    rule = compat.DRAFT_ATTENTION_BACKENDS["KIMI_K3_KV_BALANCED_MLA"]
+    import vllm
+
+    if not rule.in_vllm(vllm.__version__):
+        pytest.skip(f"vLLM {vllm.__version__} has no KIMI_K3_KV_BALANCED_MLA")
+    backend = compat.ATTENTION_BACKENDS.resolve()["KIMI_K3_KV_BALANCED_MLA"]
+    spec = importlib.util.find_spec(backend.get_path(include_classname=False))
+    folder = Path(spec.origin).parent
+    source = (folder / "backend.py").read_text() + (folder / "decode.py").read_text()
+    nope, rope, v, latent = rule.mla_dims
+    assert f"NOPE, V = {nope}, {v}" in source and f"LATENT, ROPE = {latent}, {rope}" in source

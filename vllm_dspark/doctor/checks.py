@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm_dspark.compat import DRAFT_ATTENTION_BACKENDS
+from vllm_dspark.compat import DRAFT_ATTENTION_BACKENDS, SPECIALIZED_DECODE, SPECIALIZED_DRAFTER
 from vllm_dspark.compat import check_vllm_version as gate
 from vllm_dspark.doctor.facts import EngineFacts, MachineFacts, VllmSchema
 from vllm_dspark.findings import Finding, FindingError, Severity, most_severe_first, within
@@ -24,8 +24,17 @@ K3_MODEL_TYPE = "k3_dspark"
 # cudagraph modes with full graphs (vLLM's CUDAGraphMode.has_full_cudagraphs()); adaptive
 # verification rewrites query lengths on the device, which only a FULL graph replays.
 FULL_CUDAGRAPH_MODES = frozenset({"FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"})
+# Those that capture decode graphs apart from mixed ones (CUDAGraphMode.separate_routine()).
+_SEPARATE_DECODE_GRAPH_MODES = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 _TRITON_FP8_MIN_CAPABILITY = (8, 9)
+
+# vLLM's --dtype spellings, by the dtype each means.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}
+_MLA_DIMS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+# What a Kimi-K3.1 (DSA) target needs of a dense-MLA draft: its own fp8 pages, packed into the DSA row.
+_DSA_DRAFT_BACKENDS = {"cuda": "FLASHINFER_MLA", "rocm": "ROCM_AITER_MLA"}
+_FP8_KV = ("fp8", "fp8_e4m3")
 
 
 def is_k3_drafter(drafter: Mapping[str, Any] | None) -> bool:
@@ -267,14 +276,19 @@ def check_sampling(
                 "use_heterogeneous_vocab",
             )
         )
-    if spec.get("dspark_draft_topk") is not None:
-        findings.append(
-            Finding(
-                "vLLM supports it only for Qwen3 DSpark drafters",
-                'drop "dspark_draft_topk"',
-                "dspark_draft_topk",
+    for where, topk in (
+        ("", spec.get("dspark_draft_topk")),
+        (" in config.json", (drafter or {}).get("dspark_draft_topk")),
+    ):
+        if topk is not None:
+            findings.append(
+                Finding(
+                    f"dspark_draft_topk{where}: vLLM applies it only to Qwen3 DSpark drafters and "
+                    "refuses it for K3DSparkModel (whose Markov head biases the full vocabulary)",
+                    f'drop "dspark_draft_topk"{where}',
+                    "dspark_draft_topk",
+                )
             )
-        )
     vocab = drafter.get("vocab_size") if drafter else None
     if draft == "probabilistic" and engine.max_num_seqs and n and isinstance(vocab, int):
         gib = engine.max_num_seqs * n * vocab * 2 / 2**30
@@ -329,7 +343,10 @@ def _check_synthetic(rates: Any, length: Any, n: int | None) -> list[Finding]:
 
 
 def check_kv_cache_dtype(
-    spec: Mapping[str, Any], engine: EngineFacts, schema: VllmSchema | None
+    spec: Mapping[str, Any],
+    engine: EngineFacts,
+    schema: VllmSchema | None,
+    dsa_target: bool = False,
 ) -> list[Finding]:
     draft = spec.get("kv_cache_dtype")
     if draft is None:
@@ -342,7 +359,9 @@ def check_kv_cache_dtype(
                 "kv_cache_dtype",
             )
         ]
-    if draft != engine.kv_cache_dtype:
+    if (
+        draft != engine.kv_cache_dtype and not dsa_target
+    ):  # a DSA target gives the draft its own pages
         return [
             Finding(
                 f"draft KV-cache dtype {draft!r} != target --kv-cache-dtype "
@@ -360,6 +379,7 @@ def check_attention_backend(
     engine: EngineFacts,
     schema: VllmSchema | None,
     machine: MachineFacts | None,
+    drafter: Mapping[str, Any] | None = None,
 ) -> list[Finding]:
     """The draft attention backend against the non-causal requirement, the GPU and the KV dtype.
 
@@ -411,6 +431,25 @@ def check_attention_backend(
                 f"{name} does not support KV-cache dtype {kv!r} "
                 f"(it supports {', '.join(rule.kv_cache_dtypes)})",
                 f"use --kv-cache-dtype {rule.kv_cache_dtypes[0]} or another backend",
+                "attention_backend",
+            )
+        )
+    dtype = _DTYPE_ALIASES.get(engine.dtype, engine.dtype)
+    if dtype != "auto" and dtype not in rule.dtypes:
+        findings.append(
+            Finding(
+                f"{name} runs {' or '.join(rule.dtypes)} models, not --dtype {engine.dtype}",
+                f"serve with --dtype {rule.dtypes[-1]} or use another backend",
+                "attention_backend",
+            )
+        )
+    dims = tuple(drafter.get(k) for k in _MLA_DIMS) if drafter else None
+    if rule.mla_dims is not None and dims is not None and dims != rule.mla_dims:
+        findings.append(
+            Finding(
+                f"{name}'s kernels are built for MLA dimensions ({', '.join(_MLA_DIMS)}) = "
+                f"{rule.mla_dims}, the drafter has {dims}",
+                f'set "attention_backend": "{recommended}"',
                 "attention_backend",
             )
         )
@@ -489,6 +528,15 @@ def check_adaptive_verification(
             Finding(
                 f"needs full CUDA graphs: {why}",
                 'drop --enforce-eager and use -cc \'{"cudagraph_mode": "FULL_AND_PIECEWISE"}\'',
+                "enable_adaptive_verification",
+            )
+        )
+    elif engine.decode_capture_sizes == () and mode in ("", *_SEPARATE_DECODE_GRAPH_MODES):
+        findings.append(
+            Finding(
+                "decode_cudagraph_capture_request_sizes is empty: adaptive verification profiles "
+                "its step costs by replaying the decode CUDA graphs (vLLM 0.34 refuses this)",
+                "list the decode batch sizes to capture in -cc (or drop the key for vLLM's default)",
                 "enable_adaptive_verification",
             )
         )
@@ -583,6 +631,73 @@ def check_target(drafter: Mapping[str, Any], target: Mapping[str, Any]) -> list[
     return findings
 
 
+def is_dsa_target(target: Mapping[str, Any] | None) -> bool:
+    """Whether a target ``config.json`` is Kimi-K3.1's (DSA layers beside the MLA ones)."""
+    if not target:
+        return False
+    return (
+        target.get("model_type") == "kimi_k31" or _text_config(target).get("dsa_config") is not None
+    )
+
+
+def check_dsa_target(spec: Mapping[str, Any], machine: MachineFacts | None) -> list[Finding]:
+    """What a Kimi-K3.1 target needs of the draft: an explicit dense-MLA backend and fp8 pages."""
+    platform = machine.platform if machine is not None and machine.platform else "cuda"
+    backend = _DSA_DRAFT_BACKENDS[platform]
+    findings = []
+    raw = spec.get("attention_backend")
+    if str(raw).upper() not in _DSA_DRAFT_BACKENDS.values():
+        findings.append(
+            Finding(
+                f"a Kimi-K3.1 (DSA) target packs the draft's dense-MLA pages into its DSA rows; the "
+                f"draft needs FLASHINFER_MLA (ROCM_AITER_MLA on ROCm) set explicitly, got {raw!r}",
+                f'set "attention_backend": "{backend}"',
+                "target",
+            )
+        )
+    if spec.get("kv_cache_dtype") not in _FP8_KV:
+        findings.append(
+            Finding(
+                "a Kimi-K3.1 (DSA) target keeps the draft's MLA latent in fp8 pages of its own, "
+                f"got kv_cache_dtype {spec.get('kv_cache_dtype')!r}",
+                'set "kv_cache_dtype": "fp8" in the speculative config',
+                "target",
+            )
+        )
+    return findings
+
+
+def check_specialized_decode(
+    engine: EngineFacts, drafter: Mapping[str, Any] | None, schema: VllmSchema | None
+) -> list[Finding]:
+    """Kimi-K3's latency_specialized decode, which swaps in vLLM's own drafter class."""
+    key, value = SPECIALIZED_DECODE
+    if engine.decode_backend != value or not drafter:
+        return []
+    if schema is not None and not SPECIALIZED_DRAFTER.applies_to(schema.version):
+        return []
+    setting = f"--additional-config {key}={value}"
+    if drafter.get("quantization_config"):
+        return [
+            Finding(
+                f"{setting} makes the Kimi-K3 target replace vllm_dspark's drafter by vLLM's "
+                "specialized one, which loads quantized drafters wrong (a quant config per "
+                "layer, no fused-module mapping)",
+                f"drop {key} (the stock decode serves this build through vllm_dspark), or serve "
+                "the BF16 drafter",
+                "decode_backend",
+            )
+        ]
+    return [
+        Finding(
+            f"{setting}: vLLM's specialized drafter serves this BF16 drafter, not vllm_dspark's",
+            "nothing to do (BF16 loads correctly in-tree); drop it to serve through vllm_dspark",
+            "decode_backend",
+            "note",
+        )
+    ]
+
+
 def check_drafter_config(drafter: Mapping[str, Any]) -> list[Finding]:
     """Whether ``config.json`` builds a valid :class:`~vllm_dspark.config.K3DSparkConfig`."""
     from vllm_dspark.config import K3DSparkConfig
@@ -662,9 +777,13 @@ def diagnose(
         findings += check_drafter_config(drafter)
     findings += check_num_speculative_tokens(spec, drafter)
     findings += check_sampling(spec, schema, engine, drafter)
-    findings += check_kv_cache_dtype(spec, engine, schema)
-    findings += check_attention_backend(spec, engine, schema, machine)
+    dsa = is_dsa_target(target)
+    findings += check_kv_cache_dtype(spec, engine, schema, dsa)
+    findings += check_attention_backend(spec, engine, schema, machine, drafter)
     findings += check_adaptive_verification(spec, engine, drafter)
+    findings += check_specialized_decode(engine, drafter, schema)
+    if dsa:
+        findings += check_dsa_target(spec, machine)
     if drafter and target:
         findings += check_target(drafter, target)
     return most_severe_first(findings)

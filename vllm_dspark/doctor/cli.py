@@ -19,8 +19,7 @@ from vllm_dspark.doctor.checks import (
     is_k3_drafter,
 )
 from vllm_dspark.doctor.facts import (
-    EngineFacts,
-    cudagraph_mode_from_compilation_config,
+    engine_facts_of,
     load_drafter,
     machine_facts,
     read_json,
@@ -74,8 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_json_arg,
         default=None,
         metavar="JSON",
-        help="the -cc JSON you serve with (its cudagraph_mode matters)",
+        help="the -cc JSON you serve with (its cudagraph_mode and decode capture sizes matter)",
     )
+    p.add_argument(
+        "--additional-config",
+        type=_json_arg,
+        default=None,
+        metavar="JSON",
+        help="the --additional-config JSON you serve with (its decode_backend matters)",
+    )
+    p.add_argument("--dtype", default="auto", help="the --dtype you serve with (default auto)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
@@ -135,9 +142,11 @@ def run(args: argparse.Namespace) -> tuple[list[Finding], list[str]]:
                 )
     machine = machine_facts(args.compute_capability)
     checked.append(machine.describe())
-    engine = EngineFacts(
+    engine = engine_facts_of(
+        compilation_config=args.compilation_config,
+        additional_config=args.additional_config,
+        dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
-        cudagraph_mode=cudagraph_mode_from_compilation_config(args.compilation_config or {}),
         enforce_eager=args.enforce_eager,
         enable_lora=args.enable_lora,
         pipeline_parallel_size=args.pipeline_parallel_size,

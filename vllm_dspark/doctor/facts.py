@@ -24,6 +24,12 @@ class EngineFacts:
     enable_lora: bool = False
     pipeline_parallel_size: int = 1
     max_num_seqs: int | None = None
+    dtype: str = "auto"  # --dtype; auto is the checkpoint's (bfloat16 for Kimi-K3)
+    # -cc decode_cudagraph_capture_request_sizes (vLLM >= 0.34); None: vLLM's default
+    decode_capture_sizes: tuple[int, ...] | None = None
+    decode_backend: str = (
+        "auto"  # --additional-config decode_backend (Kimi-K3's specialized decode)
+    )
 
 
 @dataclass(frozen=True)
@@ -95,14 +101,36 @@ def machine_facts(compute_capability: str | None = None) -> MachineFacts:
 
 def cudagraph_mode_from_compilation_config(value: Any) -> str | None:
     """The cudagraph mode name in a ``-cc`` JSON dict or a vLLM ``CompilationConfig``."""
-    mode = (
-        value.get("cudagraph_mode")
-        if isinstance(value, Mapping)
-        else getattr(value, "cudagraph_mode", None)
-    )
+    mode = compilation_config_field(value, "cudagraph_mode")
     if mode is None:
         return None
     return getattr(mode, "name", str(mode)).upper()
+
+
+def compilation_config_field(value: Any, name: str) -> Any:
+    """A field of a ``-cc`` JSON dict or a vLLM ``CompilationConfig``; None where unset."""
+    return value.get(name) if isinstance(value, Mapping) else getattr(value, name, None)
+
+
+def engine_facts_of(
+    *,
+    compilation_config: Any,
+    additional_config: Any,
+    dtype: Any,
+    **flags: Any,
+) -> EngineFacts:
+    """:class:`EngineFacts` from the flags as `vllm serve` takes them (-cc, --additional-config, --dtype)."""
+    sizes = compilation_config_field(
+        compilation_config or {}, "decode_cudagraph_capture_request_sizes"
+    )
+    extra = additional_config if isinstance(additional_config, Mapping) else {}
+    return EngineFacts(
+        cudagraph_mode=cudagraph_mode_from_compilation_config(compilation_config or {}),
+        decode_capture_sizes=None if sizes is None else tuple(sizes),
+        decode_backend=str(extra.get("decode_backend", "auto")),
+        dtype=str(getattr(dtype, "name", dtype) or "auto").removeprefix("torch."),
+        **flags,
+    )
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -204,9 +232,11 @@ def load_drafter(
 
 def engine_facts(engine_args: Any) -> EngineFacts:
     """The facts of a vLLM ``EngineArgs``."""
-    return EngineFacts(
+    return engine_facts_of(
+        compilation_config=engine_args.compilation_config,
+        additional_config=getattr(engine_args, "additional_config", None),
+        dtype=engine_args.dtype,
         kv_cache_dtype=engine_args.kv_cache_dtype or "auto",
-        cudagraph_mode=cudagraph_mode_from_compilation_config(engine_args.compilation_config),
         enforce_eager=bool(engine_args.enforce_eager),
         enable_lora=bool(engine_args.enable_lora),
         pipeline_parallel_size=engine_args.pipeline_parallel_size,

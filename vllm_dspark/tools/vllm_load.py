@@ -21,7 +21,7 @@ from torch import nn
 
 from vllm_dspark.checkpoint.layout import TARGET_HEADS
 from vllm_dspark.checkpoint.store import load_target_heads, write_target_config
-from vllm_dspark.compat import without_v1_runner_check
+from vllm_dspark.compat import configs_without_an_engine
 
 
 def engine_config(
@@ -44,7 +44,7 @@ def engine_config(
         tensor_parallel_size=tensor_parallel_size,
         speculative_config={"method": "dspark", "model": str(draft_dir), **speculative},
     )
-    with without_v1_runner_check():
+    with configs_without_an_engine():
         return args.create_engine_config()
 
 
@@ -119,7 +119,7 @@ def load_with_vllm(
             tensor_parallel_size=tensor_parallel_size,
             **speculative,
         )
-        with set_current_vllm_config(vllm_config), without_v1_runner_check():
+        with set_current_vllm_config(vllm_config), configs_without_an_engine():
             ensure_single_process_runtime()
             target = TargetHeads(
                 heads_file or draft_dir / TARGET_HEADS, vllm_config.model_config.dtype
