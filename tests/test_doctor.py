@@ -394,6 +394,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return rc, capsys.readouterr().out
 
 
+@pytest.mark.vllm_api
 def test_cli_passes_a_correct_checkpoint(capsys, drafter_dir, tiny_mla_target) -> None:
     config = spec(model=str(drafter_dir), attention_backend="TRITON_MLA")
     rc, out = run_cli(
@@ -551,6 +552,7 @@ def build_spec_config(args: Any) -> Any:
     return args.create_speculative_config(args.create_model_config(), ParallelConfig())
 
 
+@pytest.mark.vllm_api
 def test_hook_is_installed_once_by_the_plugin(tiny_mla_target) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -565,6 +567,7 @@ def test_hook_is_installed_once_by_the_plugin(tiny_mla_target) -> None:
     assert not getattr(hooked.__wrapped__, "_vllm_dspark_doctor", False)
 
 
+@pytest.mark.vllm_api
 @pytest.mark.parametrize(
     "overrides, kwargs, needle",
     [
@@ -595,6 +598,7 @@ def test_hook_refuses_before_vllm_builds_the_draft(
     assert needle in str(e.value) and "fix:" in str(e.value)
 
 
+@pytest.mark.vllm_api
 def test_hook_lets_a_correct_config_through(tiny_mla_target, drafter_dir) -> None:
     sc = build_spec_config(
         engine_args(tiny_mla_target, spec(model=str(drafter_dir), attention_backend="TRITON_MLA"))
@@ -603,6 +607,7 @@ def test_hook_lets_a_correct_config_through(tiny_mla_target, drafter_dir) -> Non
     assert type(sc.draft_model_config.hf_config).__module__ == "vllm_dspark.config"
 
 
+@pytest.mark.vllm_api
 def test_hook_lets_one_token_past_the_block_through(tiny_mla_target, drafter_dir) -> None:
     """block + 1 is a warning (wasted verification), not a refusal."""
     sc = build_spec_config(
@@ -614,6 +619,7 @@ def test_hook_lets_one_token_past_the_block_through(tiny_mla_target, drafter_dir
     assert sc.num_speculative_tokens == 8
 
 
+@pytest.mark.vllm_api
 def test_without_the_hook_vllm_accepts_the_garbage_config(
     tiny_mla_target, drafter_dir, monkeypatch
 ) -> None:
@@ -628,6 +634,7 @@ def test_without_the_hook_vllm_accepts_the_garbage_config(
     assert sc.num_speculative_tokens == 5
 
 
+@pytest.mark.vllm_api
 def test_hook_leaves_other_speculative_methods_alone(tiny_mla_target) -> None:
     sc = build_spec_config(
         engine_args(
@@ -640,3 +647,206 @@ def test_hook_leaves_other_speculative_methods_alone(tiny_mla_target) -> None:
 
 def errors_of(findings: list[Finding]) -> list[Finding]:
     return [f for f in findings if f.severity == "error"]
+
+
+# ----- what vLLM 0.34 added: the KV-balanced backend, K3.1 targets, decode graphs, specialized decode -----
+
+K3 = preset_config_json("k3")  # the real geometry (MLA 128 / 64 / 128 / 512)
+KV_BALANCED = spec(attention_backend="KIMI_K3_KV_BALANCED_MLA")
+
+
+def test_a_valid_kv_balanced_config_passes() -> None:
+    for dtype in ("auto", "bfloat16", "bf16"):
+        engine = EngineFacts(kv_cache_dtype="fp8", dtype=dtype)
+        assert diagnose(KV_BALANCED, drafter=K3, engine=engine, machine=GB300) == [], dtype
+    assert (
+        diagnose(
+            dict(KV_BALANCED, kv_cache_dtype="fp8_e4m3"),
+            drafter=K3,
+            engine=EngineFacts(kv_cache_dtype="fp8_e4m3"),
+            machine=GB300,
+        )
+        == []
+    )
+
+
+@pytest.mark.parametrize(
+    "engine, machine, drafter, needle",
+    [
+        (EngineFacts(), GB300, K3, "does not support KV-cache dtype 'auto'"),
+        (EngineFacts(kv_cache_dtype="fp8", dtype="float16"), GB300, K3, "not --dtype float16"),
+        (EngineFacts(kv_cache_dtype="fp8", dtype="half"), GB300, K3, "not --dtype half"),
+        (EngineFacts(kv_cache_dtype="fp8"), H200, K3, "needs compute capability 10.x"),
+        (
+            EngineFacts(kv_cache_dtype="fp8"),
+            MachineFacts("rocm", (9, 4), "MI300X"),
+            K3,
+            "needs a CUDA GPU",
+        ),
+        (
+            EngineFacts(kv_cache_dtype="fp8"),
+            GB300,
+            preset_config_json("tiny"),
+            "(128, 64, 128, 512), the drafter has (16, 16, 32, 32)",
+        ),
+    ],
+)
+def test_invalid_kv_balanced_configs_are_refused_by_name(engine, machine, drafter, needle) -> None:
+    [f] = errors_of(diagnose(KV_BALANCED, drafter=drafter, engine=engine, machine=machine))
+    assert f.where == "attention_backend" and "KIMI_K3_KV_BALANCED_MLA" in f.problem
+    assert needle in f.problem, f.problem
+
+
+def test_kv_balanced_is_a_backend_of_the_vllm_versions_that_have_it(schema) -> None:
+    """Against the installed vLLM's own backend list: known from 0.34, refused by name before."""
+    from vllm_dspark.compat import DRAFT_ATTENTION_BACKENDS
+
+    findings = diagnose(
+        KV_BALANCED,
+        drafter=K3,
+        engine=EngineFacts(kv_cache_dtype="fp8"),
+        machine=GB300,
+        schema=schema,
+    )
+    if DRAFT_ATTENTION_BACKENDS["KIMI_K3_KV_BALANCED_MLA"].in_vllm(schema.version):
+        assert errors_of(findings) == []
+    else:
+        [f] = errors_of(findings)
+        assert f"not an attention backend in vLLM {schema.version}" in f.problem
+
+
+K31_TARGET = {
+    "model_type": "kimi_k31",
+    "text_config": {"hidden_size": 64, "num_hidden_layers": 8, "dsa_config": {"index_topk": 2048}},
+}
+
+
+def test_a_k31_dsa_target_needs_an_explicit_dense_backend_and_fp8_pages(drafter) -> None:
+    findings = only(
+        diagnose(spec(attention_backend=None), drafter=drafter, machine=GB300, target=K31_TARGET),
+        "target",
+    )
+    assert [f.severity for f in findings] == ["error", "error"]
+    assert "FLASHINFER_MLA" in findings[0].fix and '"kv_cache_dtype": "fp8"' in findings[1].fix
+    # Its own fp8 pages: no longer the target's KV group, so no dtype-match error either.
+    ok = spec(kv_cache_dtype="fp8")
+    assert errors_of(diagnose(ok, drafter=drafter, machine=GB300, target=K31_TARGET)) == []
+    rocm = MachineFacts("rocm", (9, 4), "MI300X")
+    [f, _] = only(diagnose(spec(), drafter=drafter, machine=rocm, target=K31_TARGET), "target")
+    assert "ROCM_AITER_MLA" in f.fix
+    # A dsa_config alone (no kimi_k31 model_type) is a DSA target too; a plain K3 target is not.
+    dsa_only = {"text_config": K31_TARGET["text_config"]}
+    assert checks.is_dsa_target(dsa_only) and not checks.is_dsa_target({"model_type": "kimi_k3"})
+
+
+def test_adaptive_verification_needs_decode_graphs(drafter) -> None:
+    adaptive = spec(enable_adaptive_verification=True)
+    for mode in (None, "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
+        engine = EngineFacts(cudagraph_mode=mode, decode_capture_sizes=())
+        [f] = errors_of(diagnose(adaptive, drafter=drafter, engine=engine))
+        assert "decode_cudagraph_capture_request_sizes is empty" in f.problem, mode
+    # FULL replays one routine for both; listed sizes are decode graphs.
+    for engine in (
+        EngineFacts(cudagraph_mode="FULL", decode_capture_sizes=()),
+        EngineFacts(decode_capture_sizes=(1, 2, 4)),
+    ):
+        assert errors_of(diagnose(adaptive, drafter=drafter, engine=engine)) == []
+
+
+def test_engine_facts_read_the_flags_as_vllm_serve_takes_them() -> None:
+    engine = facts.engine_facts_of(
+        compilation_config={
+            "cudagraph_mode": "full_decode_only",
+            "decode_cudagraph_capture_request_sizes": [],
+        },
+        additional_config={"decode_backend": "latency_specialized"},
+        dtype="bfloat16",
+    )
+    assert engine == EngineFacts(
+        cudagraph_mode="FULL_DECODE_ONLY",
+        decode_capture_sizes=(),
+        decode_backend="latency_specialized",
+        dtype="bfloat16",
+    )
+    assert (
+        facts.engine_facts_of(compilation_config=None, additional_config=None, dtype="auto")
+        == EngineFacts()
+    )
+
+
+SPECIALIZED = EngineFacts(decode_backend="latency_specialized")
+
+
+def test_specialized_decode_refuses_a_quantized_drafter_and_notes_a_bf16_one(
+    drafter, schema
+) -> None:
+    import dataclasses
+
+    fp8 = dict(drafter, quantization_config={"quant_method": "compressed-tensors"})
+    v034 = dataclasses.replace(schema, version="0.34.0")
+    [f] = only(diagnose(spec(), drafter=fp8, engine=SPECIALIZED, schema=None), "decode_backend")
+    assert (
+        f.severity == "error"
+        and "latency_specialized" in f.problem
+        and "drop decode_backend" in f.fix
+    )
+    [g] = only(diagnose(spec(), drafter=drafter, engine=SPECIALIZED), "decode_backend")
+    assert g.severity == "note"
+    assert only(diagnose(spec(), drafter=fp8, engine=SPECIALIZED, schema=v034), "decode_backend")
+    # vLLM 0.33 has no specialized drafter to swap in.
+    v033 = dataclasses.replace(schema, version="0.33.0")
+    assert (
+        only(diagnose(spec(), drafter=fp8, engine=SPECIALIZED, schema=v033), "decode_backend") == []
+    )
+
+
+def test_dspark_draft_topk_in_the_drafters_config_is_refused(drafter) -> None:
+    [f] = errors_of(diagnose(spec(), drafter=dict(drafter, dspark_draft_topk=8)))
+    assert f.where == "dspark_draft_topk" and "in config.json" in f.problem
+
+
+@pytest.mark.vllm_api
+def test_vllm_itself_refuses_dspark_draft_topk_for_the_k3_drafter(
+    tiny_mla_target, drafter_dir, monkeypatch
+) -> None:
+    """The doctor's refusal is vLLM's own rule (with the hook off, vLLM raises by itself)."""
+    monkeypatch.setenv(serve.DISABLE_ENV, "0")
+    args = engine_args(
+        tiny_mla_target,
+        spec(model=str(drafter_dir), attention_backend="TRITON_MLA", dspark_draft_topk=8),
+    )
+    with pytest.raises(ValueError, match="dspark_draft_topk"):
+        build_spec_config(args)
+
+
+@pytest.fixture(scope="module")
+def fp8_drafter_dir(drafter_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_dspark.checkpoint.quantize import quantize_checkpoint
+
+    out = tmp_path_factory.mktemp("doctor-fp8") / "tiny-fp8"
+    quantize_checkpoint(drafter_dir, out, "fp8", progress=False)
+    return out
+
+
+@pytest.mark.vllm_api
+@pytest.mark.parametrize("build", ["bf16", "fp8"])
+def test_hook_and_latency_specialized_on_the_installed_vllm(
+    tiny_mla_target, drafter_dir, fp8_drafter_dir, build
+) -> None:
+    """Where the Kimi-K3 target swaps in vLLM's specialized drafter (0.34), a quantized build is
+    refused before the target loads; a BF16 one, and every build on vLLM without it, goes through."""
+    from vllm_dspark.compat import SPECIALIZED_DRAFTER
+
+    model = fp8_drafter_dir if build == "fp8" else drafter_dir
+    args = engine_args(
+        tiny_mla_target,
+        spec(model=str(model), attention_backend="TRITON_MLA"),
+        additional_config={"decode_backend": "latency_specialized"},
+    )
+    if build == "fp8" and SPECIALIZED_DRAFTER.applies():
+        with pytest.raises(ValueError, match="vllm_dspark doctor") as e:
+            build_spec_config(args)
+        assert "latency_specialized" in str(e.value) and "fix:" in str(e.value)
+    else:
+        sc = build_spec_config(args)
+        assert sc.draft_model_config.architectures == ["K3DSparkModel"]

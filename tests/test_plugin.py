@@ -199,3 +199,36 @@ def test_an_amx_kernel_runs_after_the_plugins_request() -> None:
     assert (
         report["with_request"]["result"]["requested_by"] == "vllm_dspark.request_amx_permission()"
     )
+
+
+def test_the_installed_plugin_needs_nothing_vllm_lacks(tmp_path, tiny_mla_target) -> None:
+    """The path for an existing vLLM install or image (`pip install --no-deps vllm_dspark`, as
+    `make test-vllm` installs it): every requirement is already met by vLLM's own, and the installed
+    `vllm-dspark doctor` passes a correct config."""
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    from vllm_dspark.checkpoint.make_random import make_random
+
+    for line in requires("vllm_dspark") or ():
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            assert req.specifier.contains(version(req.name), prereleases=True), line
+    drafter = make_random(tmp_path / "drafter", "tiny", progress=False)
+    config = {
+        "method": "dspark",
+        "model": str(drafter),
+        "num_speculative_tokens": 7,
+        "attention_backend": "TRITON_MLA",
+    }
+    cli = Path(sys.executable).parent / "vllm-dspark"
+    out = subprocess.run(
+        [str(cli), "doctor", "-sc", json.dumps(config), "--target", str(tiny_mla_target)]
+        + ["--compute-capability", "9.0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "OK: 0 error(s)" in out.stdout

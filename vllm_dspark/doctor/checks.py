@@ -642,11 +642,12 @@ def is_dsa_target(target: Mapping[str, Any] | None) -> bool:
 
 def check_dsa_target(spec: Mapping[str, Any], machine: MachineFacts | None) -> list[Finding]:
     """What a Kimi-K3.1 target needs of the draft: an explicit dense-MLA backend and fp8 pages."""
-    platform = machine.platform if machine is not None and machine.platform else "cuda"
-    backend = _DSA_DRAFT_BACKENDS[platform]
+    platform = machine.platform if machine is not None else None
+    backend = _DSA_DRAFT_BACKENDS[platform or "cuda"]
+    allowed = [backend] if platform else list(_DSA_DRAFT_BACKENDS.values())
     findings = []
     raw = spec.get("attention_backend")
-    if str(raw).upper() not in _DSA_DRAFT_BACKENDS.values():
+    if str(raw).upper() not in allowed:
         findings.append(
             Finding(
                 f"a Kimi-K3.1 (DSA) target packs the draft's dense-MLA pages into its DSA rows; the "
