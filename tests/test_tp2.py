@@ -71,6 +71,15 @@ def _rank(rank: int, port: int, target: Path, checkpoint: Path, out: Path) -> No
         {"tokens": rollout.tokens, "logits": rollout.logits, "confidence": confidence},
         out / f"rank{rank}.pt",
     )
+    # vLLM 0.34's sharded sequential sampling: this rank's vocab shard, and the gathered logits
+    # (which match the reference above) it must be a slice of.
+    torch.save(
+        {
+            "local": model.compute_draft_logits_local(hidden),
+            "full": model.compute_draft_logits(hidden),
+        },
+        out / f"shard{rank}.pt",
+    )
 
 
 def test_two_tensor_parallel_ranks_match_the_reference_and_each_other(
@@ -83,3 +92,8 @@ def test_two_tensor_parallel_ranks_match_the_reference_and_each_other(
     # Replicated heads on identical all-reduced inputs: bit-identical drafts on both ranks.
     for key in first:
         assert torch.equal(first[key], second[key]), key
+    shards = [torch.load(tmp_path / f"shard{r}.pt") for r in (0, 1)]
+    local = torch.cat([shard["local"] for shard in shards], dim=-1)
+    vocab = shards[0]["full"].shape[-1]
+    assert shards[0]["local"].shape[-1] < vocab <= local.shape[-1]  # sharded, padding at the end
+    torch.testing.assert_close(local[..., :vocab], shards[0]["full"], **FP32_TOL)

@@ -251,3 +251,33 @@ def test_in_tree_class_silently_quantizes_the_bf16_kv_b_proj(
     assert getattr(upstream.model.model.layers[0].self_attn.kv_b_proj, "scheme", None) is not None
     plugin = load_drafter(tiny_mla_target, fp8_builds["linear-class"])
     assert getattr(plugin.model.model.layers[0].self_attn.kv_b_proj, "scheme", None) is None
+
+
+@pytest.mark.upstream_bug
+def test_specialized_decode_replaces_the_plugins_drafter_with_the_in_tree_one() -> None:
+    """Why the serve-time hook refuses quantized drafters under ``latency_specialized``: vLLM 0.34's
+    Kimi-K3 target re-registers ``K3DSparkModel`` as a subclass of the in-tree drafter (whose FP8
+    loading the tests above show broken), replacing this package's class in that process."""
+    import subprocess
+    import sys
+
+    from vllm_dspark import compat
+
+    if not compat.SPECIALIZED_DRAFTER.applies():
+        pytest.skip("this vLLM has no specialized K3 drafter")
+    code = f"""
+from vllm.plugins import load_general_plugins
+from vllm import ModelRegistry
+load_general_plugins()
+print(ModelRegistry._try_load_model_cls("K3DSparkModel").__module__)
+from {compat.SPECIALIZED_DRAFTER.target.replace(":", " import ")}
+register()
+cls = ModelRegistry._try_load_model_cls("K3DSparkModel")
+print(cls.__module__, [c.__module__ for c in cls.__mro__[1:3]])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after = out.stdout.strip().splitlines()[-2:]
+    assert before == "vllm_dspark.model"
+    assert "specialized_decode.drafter.model" in after
+    assert "'vllm.models.kimi_k3.nvidia.dspark_mla'" in after

