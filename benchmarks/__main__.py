@@ -15,11 +15,18 @@ import time
 
 from benchmarks.common import format_table, write_result
 from benchmarks.registry import BENCHMARKS
+from vllm_dspark.tools.cli import debug_requested, guarded
 
 
 def run(name: str, extra: list[str]) -> int:
+    """One benchmark inside the tools' error boundary: bad arguments get one line, exit 2."""
     bench = BENCHMARKS[name]
-    return importlib.import_module(bench.module).main([*bench.args, *extra])
+    debug, extra = debug_requested(extra)
+    return guarded(
+        f"python -m benchmarks {name}",
+        lambda: importlib.import_module(bench.module).main([*bench.args, *extra]),
+        debug=debug,
+    )
 
 
 def run_all() -> int:

@@ -176,6 +176,15 @@ def memcpy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
     return 2 * nbytes / seconds / 1e9
 
 
+def existing_dir(text: str) -> Path:
+    """An argparse type: a directory that exists (scratch space is made inside it, never it)."""
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text} {what}; pass an existing directory")
+    return path
+
+
 def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
     """``--preset`` and ``--model``: the drafter :func:`preset_drafter` resolves from them."""
     from vllm_dspark.checkpoint.presets import PRESETS

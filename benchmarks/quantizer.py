@@ -34,6 +34,7 @@ from benchmarks.common import (
     MIN_PAIRS,
     add_drafter_arguments,
     add_pairing_arguments,
+    existing_dir,
     format_table,
     in_subprocess,
     meets,
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     add_pairing_arguments(parser)
     parser.add_argument(
         "--work-dir",
-        type=Path,
+        type=existing_dir,
         default=None,
         help="scratch directory (default: the system temp dir)",
     )

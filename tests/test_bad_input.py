@@ -11,10 +11,12 @@ send it SIGTERM / SIGINT once its staging folder exists.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import io
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -1161,6 +1163,40 @@ add(
 )
 add("unknown-command", 2, "unknown command 'serve'", lambda t, c: ["serve", "--model", "x"])
 
+# 6. Messages that used to send the user the wrong way.
+add(
+    "doctor-missing-local-path",
+    1,
+    "does not exist",
+    lambda t, c: _doctor(t / "nothere", t),
+)
+add(
+    "doctor-model-is-a-file",
+    1,
+    "is a file, not a directory (taken as a local path)",
+    lambda t, c: _doctor(c["bf16"] / "config.json", t),
+)
+add(
+    "eval-binary-corpus",
+    2,
+    "corpus.txt is not UTF-8 text (byte 0: invalid continuation byte); a .txt corpus is token ids as text",
+    lambda t, c: _eval(
+        c["bf16"], t, extra=("--corpus", str(_raw_file(t, "corpus.txt", b"\xd7\x00\xff" * 64)))
+    ),
+)
+add(
+    "eval-corpus-bad-json",
+    2,
+    "is not valid JSON",
+    lambda t, c: _eval(c["bf16"], t, extra=("--corpus", str(_raw_file(t, "ids.json", b"[1, 2,")))),
+)
+add(
+    "eval-resamples-0",
+    2,
+    "--resamples >= 1; got 2, 2, 4 and 0",
+    lambda t, c: _eval(c["bf16"], t, extra=("--resamples", "0")),
+)
+
 
 # ----- the test -----
 
@@ -1281,6 +1317,188 @@ def test_load_with_vllm_refuses_a_truncated_shard(ckpts, tmp_path: Path) -> None
     ):
         load_with_vllm(model)
     assert _tree(tmp_path) == before
+
+
+# ----- real OS errors: root without DAC override, and a file-size limit -----
+
+
+def _no_dac_override() -> None:
+    """``preexec_fn``: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set, so that
+    root, after exec, gets EACCES from a mode-000 file like any user."""
+    if os.geteuid() != 0:
+        return  # an ordinary user has neither capability to drop
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0):  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def _file_size_limit(nbytes: int) -> Callable[[], None]:
+    """``preexec_fn``: writes past ``nbytes`` fail with EFBIG (a full disk's path), as root too."""
+
+    def limit() -> None:
+        _no_dac_override()
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the writer
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+    return limit
+
+
+@dataclass(frozen=True)
+class OsCase:
+    id: str
+    build: Build  # the argv, after making the files the case breaks
+    broken: Callable[[Path], list[Path]]  # the paths whose mode becomes 000
+    preexec: Callable[[], None]
+    code: int
+    message: str
+
+
+def _unreadable(*names: str) -> Callable[[Path], list[Path]]:
+    return lambda t: [t / "in" / name for name in names]
+
+
+def _with_target_readme(model: Path, tmp: Path) -> Path:
+    model = _copy(model, tmp, "m")
+    (model / "target" / "README").write_text("the target's shared heads")
+    return model
+
+
+def _with_big_tokenizer(model: Path, tmp: Path) -> Path:
+    model = _copy(model, tmp, "m")
+    (model / "target" / "tokenizer.json").write_bytes(b"{}" + b" " * 2_000_000)
+    return model
+
+
+OS_CASES = [
+    OsCase(
+        "check-shard-eacces",
+        lambda t, c: _check(_copy(c["bf16"], t, "m"), t),
+        _unreadable("m/model-00001-of-00001.safetensors"),
+        _no_dac_override,
+        1,
+        "permission denied",
+    ),
+    OsCase(
+        "check-folder-eacces",
+        lambda t, c: _check(_copy(c["bf16"], t, "m"), t),
+        _unreadable("m"),
+        _no_dac_override,
+        1,
+        "permission denied",
+    ),
+    OsCase(
+        "draft-target-eacces",
+        lambda t, c: _draft(_copy(c["bf16"], t, "m"), c["inputs"], t),
+        _unreadable("m/target/model.safetensors"),
+        _no_dac_override,
+        2,
+        "permission denied",
+    ),
+    OsCase(
+        "quantize-target-eacces",
+        lambda t, c: _quantize(_copy(c["bf16"], t, "m"), t),
+        _unreadable("m/target/model.safetensors"),
+        _no_dac_override,
+        2,
+        "permission denied",
+    ),
+    OsCase(
+        "quantize-target-copy-eacces",
+        lambda t, c: _quantize(_with_target_readme(c["bf16"], t), t),
+        _unreadable("m/target/README"),
+        _no_dac_override,
+        2,
+        "permission denied",
+    ),
+    OsCase(
+        "quantize-out-folder-eacces",
+        lambda t, c: [
+            *_quantize(c["bf16"], t)[:3],
+            "--output-dir",
+            str(_file(t / "in" / "locked" / "keep").parent / "out"),
+            "--quant-format",
+            "fp8",
+        ],
+        _unreadable("locked"),
+        _no_dac_override,
+        2,
+        "permission denied",
+    ),
+    OsCase(
+        "quantize-tokenizer-efbig",
+        lambda t, c: _quantize(_with_big_tokenizer(c["bf16"], t), t),
+        lambda t: [],
+        _file_size_limit(1_000_000),
+        2,
+        "file too large",
+    ),
+    OsCase(
+        "quantize-shard-efbig",
+        lambda t, c: _quantize(c["bf16"], t),
+        lambda t: [],
+        _file_size_limit(64_000),
+        2,
+        "file too large",
+    ),
+]
+
+
+@pytest.mark.parametrize("bad", OS_CASES, ids=[c.id for c in OS_CASES])
+def test_a_real_os_error_is_named_by_its_cause(bad: OsCase, ckpts, tmp_path: Path) -> None:
+    """Permission and full-disk cases with the real errno (EACCES, EFBIG) in a child process: one
+    line naming the file, the cause and the fix; inputs unchanged; nothing left behind."""
+    argv = bad.build(tmp_path, ckpts)
+    spill = tmp_path / "tmpdir"
+    spill.mkdir()
+    before = _tree(tmp_path, *ckpts.values())
+    broken = bad.broken(tmp_path)
+    modes = {path: path.stat().st_mode for path in broken}
+    for path in broken:
+        path.chmod(0)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "vllm_dspark.tools.cli", *argv],
+            env={**os.environ, "TMPDIR": str(spill), "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+            preexec_fn=bad.preexec,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        for path, mode in modes.items():
+            path.chmod(mode)
+    text = out.stdout + out.stderr
+    assert out.returncode == bad.code, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    stream = out.stderr if bad.code == 2 else out.stdout
+    [line] = [line for line in stream.splitlines() if bad.message in line]
+    assert any(str(p) in line for p in broken) or not broken, line
+    if bad.code == 2:
+        assert [line for line in out.stderr.splitlines() if "error:" in line] == [line]
+    # The errno's own fix, on one file: not "missing", not a shutil.Error list of tuples.
+    fix = "ulimit -f" if bad.message == "file too large" else ("chmod u+r", "w and x on")
+    assert any(f in line.partition("Fix:")[2] for f in ([fix] if isinstance(fix, str) else fix)), (
+        line
+    )
+    assert "does not exist" not in line and "[(" not in line, line
+    assert _tree(tmp_path, *ckpts.values()) == before  # inputs unchanged, nothing left behind
+
+
+def test_a_benchmark_is_a_user_command_too(tmp_path: Path) -> None:
+    """A benchmark's bad argument gets one line and exit 2, never tempfile's traceback."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "quantizer", "--work-dir", str(tmp_path / "nothere")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    [line] = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert f"--work-dir: {tmp_path / 'nothere'} does not exist" in line
+    assert not (tmp_path / "nothere").exists()
 
 
 # ----- interruption and stale staging -----
@@ -1470,7 +1688,8 @@ def test_stale_staging_of_a_killed_run_is_removed(
 def test_the_case_count_in_the_readme_is_this_files() -> None:
     """The README's "Bad input and interruption" section quotes how many cases this file runs."""
     # Every test above: the cases, the debug switches, the bug that keeps its traceback, vLLM's loader
-    # (scales, a truncated shard), the interruptions, the swallowed signal and the stale folders.
+    # (scales, a truncated shard), the interruptions, the swallowed signal, the stale folders, the
+    # real OS errors and the benchmark's argument.
     count = (
         len(CASES)
         + len(DEBUG_SWITCHES)
@@ -1480,6 +1699,8 @@ def test_the_case_count_in_the_readme_is_this_files() -> None:
         + len(INTERRUPTIONS)
         + 1
         + len(STALE_COMMANDS)
+        + len(OS_CASES)
+        + 1
     )
     readme = (ROOT / "README.md").read_text()
     assert f"{count} bad-input and interruption cases" in readme, count

@@ -499,7 +499,40 @@ def test_cli_flags_an_unresolvable_model(capsys, tmp_path) -> None:
         str(tmp_path / "nowhere"),
     )
     assert rc == 1
-    assert "hf download nobody/no-such-drafter" in out and "nowhere" in out
+    assert "hf download nobody/no-such-drafter" in out and "taken as a repo id" in out
+    assert f"local path {tmp_path / 'nowhere'} does not exist" in out
+
+
+@pytest.mark.parametrize(
+    "name, local",
+    [
+        ("/abs/drafter", True),
+        ("./drafter", True),
+        ("../drafter", True),
+        ("~/drafter", True),
+        (".", True),
+        ("models/k3/drafter", True),  # more than a hub id's one separator
+        ("drafters/Kimi K3", True),  # a space: no hub id has one
+        ("Inferact/Kimi-K3-DSpark", False),
+        ("Kimi-K3-DSpark", False),
+        ("org/name.v1_2", False),
+    ],
+)
+def test_local_paths_are_told_from_hub_ids(name: str, local: bool) -> None:
+    assert facts.looks_local(name) is local
+
+
+def test_a_missing_local_path_or_a_file_is_never_sent_to_the_hub(tmp_path) -> None:
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"x")
+    for model, needle in (
+        (str(tmp_path / "nothere"), f"local path {tmp_path / 'nothere'} does not exist"),
+        (str(file), f"{file} is a file, not a directory (taken as a local path)"),
+    ):
+        [f] = facts.load_drafter({"model": model})[2]
+        assert needle in f.problem and "hf download" not in f.fix, f
+    [g] = facts.load_drafter({"model": "nobody/no-such-drafter"})[2]
+    assert "taken as a repo id" in g.problem and "hf download nobody/no-such-drafter" in g.fix
 
 
 def test_cli_rejects_malformed_json(capsys) -> None:

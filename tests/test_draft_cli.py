@@ -215,3 +215,19 @@ def test_console_entry_point_reports_errors_cleanly(checkpoint: Path, tmp_path: 
     assert proc.returncode == 2
     assert "lacks required tensor(s) aux_hidden_states, context_positions" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_empty_batch_is_refused_by_the_api_and_the_cli_alike(
+    checkpoint: Path, inputs_file: Path, tmp_path: Path, capsys
+) -> None:
+    """B = 0 is a mistake, not a request for nothing: both ways in refuse it with the same words."""
+    empty = {k: v[:0].contiguous() for k, v in load_file(str(inputs_file)).items()}
+    with pytest.raises(ValueError, match="there must be at least one request") as api:
+        ReferenceDrafter.from_pretrained(checkpoint).draft(
+            empty["aux_hidden_states"], empty["context_positions"], empty["anchor_ids"]
+        )
+    path = tmp_path / "empty.safetensors"
+    save_file(empty, str(path))
+    out = tmp_path / "out.safetensors"
+    assert draft("--model", str(checkpoint), "--inputs", str(path), "--out", str(out)) == 2
+    assert str(api.value).rstrip(".") in capsys.readouterr().err and not out.exists()

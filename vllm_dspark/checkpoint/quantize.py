@@ -58,6 +58,7 @@ from vllm_dspark.checkpoint.store import (
 )
 from vllm_dspark.safety import (
     check_output,
+    copy_tree,
     held_signals,
     refuse_nonempty,
     require_finite,
@@ -243,7 +244,7 @@ def _copy_other_files(model_dir: Path, staging: Path) -> None:
         ):
             shutil.copy2(path, staging / path.name)
     if (model_dir / TARGET_DIR).is_dir():
-        shutil.copytree(model_dir / TARGET_DIR, staging / TARGET_DIR)
+        copy_tree(model_dir / TARGET_DIR, staging / TARGET_DIR)
 
 
 def _summarise(

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from vllm_dspark.findings import Finding, FindingError
-from vllm_dspark.safety import staged
+from vllm_dspark.safety import os_error_finding, staged
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -80,6 +80,11 @@ class StoredTensor:
 
 
 def _open(path: Path):
+    try:  # safetensors reports a file it may not read as missing: ask the OS for the real cause
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise FindingError(os_error_finding(e)) from None
     try:
         return safe_open(str(path), framework="pt")
     except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers

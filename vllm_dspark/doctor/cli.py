@@ -24,6 +24,7 @@ from vllm_dspark.doctor.facts import (
     machine_facts,
     read_json,
     resolve_target_config,
+    unresolved,
     vllm_schema,
 )
 from vllm_dspark.findings import Finding, errors, most_severe_first, render_table
@@ -121,13 +122,7 @@ def run(args: argparse.Namespace) -> tuple[list[Finding], list[str]]:
     if args.target:
         target_path = resolve_target_config(args.target)
         if target_path is None:
-            findings.append(
-                Finding(
-                    f"{args.target!r} has no config.json locally",
-                    f"hf download {args.target} config.json   (or pass a local path)",
-                    "target",
-                )
-            )
+            findings.append(unresolved(args.target, "target", "directory or config.json"))
         else:
             try:
                 target = read_json(target_path)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +147,36 @@ def read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
+# A Hugging Face repo id: "name" or "org/name" (letters, digits, - _ .), no path syntax.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def looks_local(name: str) -> bool:
+    """Whether a model name is a local path: absolute, ``./``, ``../``, ``~``, or path-shaped
+    beyond a hub id's one ``org/name`` separator."""
+    if name.startswith(("/", "./", "../", "~")) or name in (".", ".."):
+        return True
+    return os.sep in name and _HUB_ID.fullmatch(name) is None
+
+
+def unresolved(name: str, where: str, needs: str) -> Finding:
+    """Why ``name`` (a drafter or target) could not be found here, said for a path or a hub id."""
+    path = Path(name).expanduser()
+    if looks_local(name):
+        if path.is_file() and needs == "directory":
+            problem = f"{name} is a file, not a directory (taken as a local path)"
+        elif path.exists():
+            problem = f"{name} has no config.json (taken as a local path)"
+        else:
+            problem = f"local path {name} does not exist"
+        return Finding(problem, f"pass the {where}'s {needs} (the one holding config.json)", where)
+    return Finding(
+        f"{name!r} is not in the local Hugging Face cache (taken as a repo id), so it cannot be checked",
+        f"hf download {name}   (or pass a local {needs})",
+        where,
+    )
+
+
 def resolve_drafter(model: str, revision: str | None = None) -> Path | None:
     """A local drafter directory: ``model`` itself, or its snapshot in the local HF cache.
 
@@ -189,18 +221,7 @@ def load_drafter(
         return None, None, []  # check_method_and_model reports the missing model
     path = resolve_drafter(model, spec.get("revision"))
     if path is None:
-        return (
-            None,
-            None,
-            [
-                Finding(
-                    f"{model!r} is neither a local directory nor in the local "
-                    "Hugging Face cache, so the drafter cannot be checked",
-                    f"hf download {model}   (or pass a local directory)",
-                    "model",
-                )
-            ],
-        )
+        return None, None, [unresolved(model, "model", "directory")]
     config_path = path / "config.json"
     if not config_path.is_file():
         return (

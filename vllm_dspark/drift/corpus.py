@@ -72,6 +72,22 @@ def _ids_from_txt(text: str, path: Path) -> np.ndarray:
     return np.asarray([int(f) for f in fields], dtype=np.int64)
 
 
+_CORPUS_FORMATS = "pass .npy / .json / .txt token ids, or a UTF-8 text file with --tokenizer DIR"
+
+
+def _read_text(path: Path, what: str) -> str:
+    """``path`` as UTF-8 text; a ``FindingError`` naming it and the formats if it is not."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise FindingError(
+            Finding(
+                f"--corpus {path} is not UTF-8 text (byte {e.start}: {e.reason}); {what}",
+                _CORPUS_FORMATS,
+            )
+        ) from None
+
+
 def load_corpus(
     path: str | Path | None = None, *, tokenizer: str | Path | None = None, vocab_size: int
 ) -> tuple[np.ndarray, str]:
@@ -90,7 +106,7 @@ def load_corpus(
             raise FindingError(
                 Finding(
                     f"--corpus {path} {'is a directory' if path.is_dir() else 'does not exist'}",
-                    "pass a .npy / .json / .txt file of token ids, or a text file with --tokenizer DIR",
+                    _CORPUS_FORMATS,
                 )
             )
         if tokenizer is not None:
@@ -98,7 +114,9 @@ def load_corpus(
 
             tok = AutoTokenizer.from_pretrained(str(tokenizer))
             ids = np.asarray(
-                tok.encode(path.read_text(encoding="utf-8"), add_special_tokens=False),
+                tok.encode(
+                    _read_text(path, "with --tokenizer it must be text"), add_special_tokens=False
+                ),
                 dtype=np.int64,
             )
             source = f"{path} tokenized with {tokenizer}"
@@ -106,10 +124,16 @@ def load_corpus(
             ids = _ids_from_npy(path)
             source = str(path)
         elif path.suffix == ".json":
-            ids = _ids_from_json(json.loads(path.read_text(encoding="utf-8")))
+            try:
+                raw = json.loads(_read_text(path, "a .json corpus is a list of token ids"))
+            except json.JSONDecodeError as e:
+                raise FindingError(
+                    Finding(f"--corpus {path} is not valid JSON ({e})", _CORPUS_FORMATS)
+                ) from None
+            ids = _ids_from_json(raw)
             source = str(path)
         elif path.suffix == ".txt":
-            ids = _ids_from_txt(path.read_text(encoding="utf-8"), path)
+            ids = _ids_from_txt(_read_text(path, "a .txt corpus is token ids as text"), path)
             source = str(path)
         else:
             raise ValueError(

@@ -461,10 +461,11 @@ def validate(spec: EvalSpec, config: K3DSparkConfig) -> None:
         raise ValueError(
             f"unknown regime(s) {', '.join(unknown)}; choose from {', '.join(REGIMES)}"
         )
-    if spec.blocks < 2 or spec.batch_size < 1 or spec.context_len < 1:
+    if spec.blocks < 2 or spec.batch_size < 1 or spec.context_len < 1 or spec.resamples < 1:
         raise ValueError(
-            "--blocks must be >= 2 (a bootstrap needs blocks to resample), --batch-size and "
-            "--context-len >= 1"
+            "--blocks must be >= 2 (a bootstrap needs blocks to resample), --batch-size, "
+            f"--context-len and --resamples >= 1; got {spec.blocks}, {spec.batch_size}, "
+            f"{spec.context_len} and {spec.resamples}"
         )
     unknown = [v for v in spec.variants if v not in builtin_variants() and not Path(v).is_dir()]
     if unknown:

@@ -530,8 +530,10 @@ def main(argv: list[str] | None = None) -> int:
             f"unknown variant(s) {', '.join(map(repr, unknown))}: use "
             f"{', '.join(builtin_variants())} or checkpoint directories"
         )
-    if args.max_tokens < 1 or args.num_prompts < 2 or args.prompt_len < 1:
-        raise ValueError("--max-tokens and --prompt-len must be >= 1, --num-prompts >= 2")
+    if args.max_tokens < 1 or args.num_prompts < 2 or args.prompt_len < 1 or args.resamples < 1:
+        raise ValueError(
+            "--max-tokens, --prompt-len and --resamples must be >= 1, --num-prompts >= 2"
+        )
     checkpoints = [v for v in args.variants if Path(v).is_dir()]
     check_output(args.out, [args.target, args.drafter, args.prompts, *checkpoints], flag="--out")
     with staged(args.out, directory=True, merge=True) as staging:

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -89,6 +89,15 @@ def _one_line(text: str) -> str:
 
 def run_command(name: str, argv: list[str], *, debug: bool = False) -> int:
     """Run subcommand ``name`` inside the error boundary; returns its exit code."""
+    return guarded(
+        f"vllm-dspark {name}",
+        lambda: importlib.import_module(COMMANDS[name][0]).main(argv),
+        debug=debug,
+    )
+
+
+def guarded(prog: str, call: Callable[[], int | None], *, debug: bool = False) -> int:
+    """``call()`` inside the error boundary (expected failures: one line and exit 2); its exit code."""
     from safetensors import SafetensorError
 
     from vllm_dspark.safety import (
@@ -98,12 +107,10 @@ def run_command(name: str, argv: list[str], *, debug: bool = False) -> int:
         signals_raise,
     )
 
-    prog = f"vllm-dspark {name}"
     received: list[int] = []
     try:
         with signals_raise() as received:
-            module = importlib.import_module(COMMANDS[name][0])
-            code = int(module.main(argv) or 0)
+            code = int(call() or 0)
             raise_if_interrupted()  # a signal a library swallowed still ends the run as interrupted
             return code
     except (Interrupted, KeyboardInterrupt, ValueError, OSError, SafetensorError) as e:
@@ -121,6 +128,12 @@ def run_command(name: str, argv: list[str], *, debug: bool = False) -> int:
         return 2
 
 
+def debug_requested(argv: list[str]) -> tuple[bool, list[str]]:
+    """Whether ``--debug`` or ``VLLM_DSPARK_DEBUG`` asks for tracebacks, and ``argv`` without the flag."""
+    debug = "--debug" in argv or os.environ.get("VLLM_DSPARK_DEBUG", "") not in ("", "0")
+    return debug, [a for a in argv if a != "--debug"]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -135,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"vllm-dspark: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    debug = "--debug" in rest or os.environ.get("VLLM_DSPARK_DEBUG", "") not in ("", "0")
-    return run_command(name, [a for a in rest if a != "--debug"], debug=debug)
+    debug, rest = debug_requested(rest)
+    return run_command(name, rest, debug=debug)
 
 
 if __name__ == "__main__":
