@@ -1099,7 +1099,7 @@ add("check-missing-dir", 1, "is not a directory", lambda t, c: _check(t / "nowhe
 add(
     "eval-context-len-0",
     2,
-    "--context-len >= 1",
+    "--resamples >= 1; got 2, 2, 0 and 4",
     lambda t, c: _eval(c["bf16"], t, extra=("--context-len", "0")),
 )
 add(
