@@ -1,7 +1,7 @@
 # vllm_dspark: one command for the demo, one for the tests. Both set up what they need.
 #
-#   make demo   installs into .venv, builds a small random drafter in the real layout, quantizes it
-#               to FP8, checks it, loads it through vLLM's loader and prints the drift table
+#   make demo   installs into .venv, then serves the trained pair (tests/data/pair) through vLLM's
+#               dspark speculator on CPU, BF16 and its FP8 build: greedy equality, acceptance, τ
 #   make test   installs into .venv and runs the test suite (what CI runs)
 #   make test-mutation   the mutation check of the critical math (CI runs it too)
 #   make lint   ruff format --check and ruff check (CI runs it first)
@@ -68,7 +68,7 @@ test-vllm-all:
 	set -e; for v in $(VLLM_GPU_VERSIONS); do $(MAKE) test-vllm VLLM=$$v; done
 
 demo: install
-	$(VPY) -m vllm_dspark.tools.demo --out $(DEMO_OUT)
+	HF_HUB_OFFLINE=1 $(VPY) -m vllm_dspark.tools.demo --pair tests/data/pair --out $(DEMO_OUT)
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) build *.egg-info

@@ -24,7 +24,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_dspark", "vllm_dspark.*"]),
-    package_data={"vllm_dspark": ["data/*"]},
+    package_data={"vllm_dspark": ["data/*", "cpu_serving/site/*.py"]},
     install_requires=[
         "torch>=2.13",
         "safetensors>=0.4",

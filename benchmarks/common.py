@@ -149,6 +149,35 @@ def in_subprocess(argv: Sequence[str]) -> Callable[[], Measurement]:
     return run
 
 
+# Spawns ARGV from a stdlib-only interpreter (so the child's peak RSS carries no large parent image)
+# and reports its wall time and peak RSS as one JSON line.
+_LAUNCHER = """
+import json, os, sys, time
+t0 = time.perf_counter()
+pid = os.posix_spawnp(sys.argv[1], sys.argv[1:], os.environ)
+_, status, usage = os.wait4(pid, 0)
+seconds = time.perf_counter() - t0
+print(json.dumps({"seconds": seconds, "peak_rss_bytes": usage.ru_maxrss * 1024,
+                  "exit": os.waitstatus_to_exitcode(status)}))
+"""
+
+
+def whole_process(argv: Sequence[str]) -> Callable[[], Measurement]:
+    """``argv`` run as a user runs it, a whole process: its wall time (interpreter start and
+    imports included) and its own peak RSS. Its output is discarded; a non-zero exit raises."""
+
+    def run() -> Measurement:
+        out = subprocess.run(
+            [sys.executable, "-c", _LAUNCHER, *argv], check=True, capture_output=True, text=True
+        )
+        measured = json.loads(out.stdout.strip().splitlines()[-1])
+        if measured.pop("exit"):
+            raise SystemExit(f"{' '.join(argv)} failed:\n{out.stderr[-3000:]}")
+        return measured
+
+    return run
+
+
 def spread_text(s: dict[str, float], fmt: str = ".2f", unit: str = "") -> str:
     """``median (min–max)`` for a README cell."""
     return f"{s['median']:{fmt}}{unit} ({s['min']:{fmt}}–{s['max']:{fmt}}{unit})"

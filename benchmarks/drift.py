@@ -35,7 +35,6 @@ from benchmarks.common import (
     spread_text,
     write_result,
 )
-from vllm_dspark.drift.cli import parse_position
 from vllm_dspark.drift.harness import EvalSpec, default_variants, run
 from vllm_dspark.drift.report import (
     COLUMNS,
@@ -45,6 +44,7 @@ from vllm_dspark.drift.report import (
     worst_half_width_pp,
     write_report,
 )
+from vllm_dspark.tools.eval import parse_position
 
 
 def _display(path: Path) -> str:

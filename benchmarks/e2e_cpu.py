@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's ``dspark`` speculator end to end on CPU: spec-decode counters and interpreter tokens/s.
 
-Runs ``tests/dspark_e2e.py --platform cpu`` (the run the end-to-end tests check: the trained pair of
-``tests/data/pair``, BF16 and FP8 drafters, on short held-out prompts) and tabulates, per engine,
+Runs ``python -m vllm_dspark.cpu_serving.pair`` (what ``make demo`` and the end-to-end tests serve:
+the trained pair of ``tests/data/pair``, BF16 and FP8 drafters, on short held-out prompts) and tabulates, per engine,
 vLLM's counters (drafts, drafted and accepted tokens, acceptance per position) and output tokens per
 second. The acceptance is the engine's; ``vllm-dspark accept`` measures the same on these prompts
 (the tests check they agree). Each run serves the engines one after another, so a run is one round
@@ -33,6 +33,7 @@ from benchmarks.common import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+PAIR = ROOT / "tests" / "data" / "pair"
 ENGINES = {
     "baseline": "no speculation",
     "bf16": "bf16",
@@ -48,7 +49,7 @@ COUNTERS = (
 
 
 def measurements(results: dict[str, Any]) -> dict[str, Measurement]:
-    """One ``tests/dspark_e2e.py`` run's engines: generate seconds, output tokens, vLLM's counters."""
+    """One pair run's engines: generate seconds, output tokens, vLLM's counters."""
     return {
         engine: {
             "seconds": results[engine]["generate_seconds"],
@@ -61,16 +62,15 @@ def measurements(results: dict[str, Any]) -> dict[str, Measurement]:
     }
 
 
-def _served_runs(models: Path, out: Path) -> Callable[[], dict[str, Measurement]]:
-    """Each call: one ``tests/dspark_e2e.py --platform cpu`` run in a fresh interpreter."""
+def _served_runs(fp8: Path, out: Path) -> Callable[[], dict[str, Measurement]]:
+    """Each call: one ``python -m vllm_dspark.cpu_serving.pair`` run in a fresh interpreter."""
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    argv = ["-m", "tests.dspark_e2e", "--platform", "cpu", "--models", str(models), "--out"]
+    argv = ["-m", "vllm_dspark.cpu_serving.pair", "--pair", str(PAIR), "--fp8", str(fp8), "--out"]
 
     def run() -> dict[str, Measurement]:
         proc = subprocess.run(
@@ -79,7 +79,7 @@ def _served_runs(models: Path, out: Path) -> Callable[[], dict[str, Measurement]
         if proc.returncode:
             sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-4000:])
             raise SystemExit(
-                f"tests/dspark_e2e.py failed (exit {proc.returncode}); its log is above"
+                f"vllm_dspark.cpu_serving.pair failed (exit {proc.returncode}); its log is above"
             )
         return measurements(json.loads((out / "results.json").read_text()))
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         nargs="+",
         metavar="DIR",
-        help="tabulate existing `tests/dspark_e2e.py --out DIR` runs (each one round, no warm-up) "
+        help="tabulate existing `python -m vllm_dspark.cpu_serving.pair --out DIR` runs (each one round, no warm-up) "
         "instead of running new ones",
     )
     add_pairing_arguments(parser, unit="runs")
@@ -139,12 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: measurements(next(pending)), "baseline", pairs=len(runs), warmup=0
             )
         else:
-            from tests.dspark_e2e import build_models
+            from vllm_dspark.checkpoint.quantize import quantize_checkpoint
 
-            build_models(Path(tmp))
-            out = Path(tmp) / "out"
+            fp8, out = Path(tmp) / "drafter-fp8", Path(tmp) / "out"
+            quantize_checkpoint(PAIR / "drafter", fp8, "fp8", progress=False)
             result = rounds(
-                _served_runs(Path(tmp), out),
+                _served_runs(fp8, out),
                 "baseline",
                 pairs=args.pairs,
                 warmup=args.warmup,

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Quantizer wall time and peak RSS, paired with a plain safetensors copy of the same checkpoint.
 
-The two alternate (quantize, copy, quantize, copy, ...; :func:`benchmarks.common.paired`), each in
-its own subprocess so that each peak RSS is its own: the copy loads every shard with
-``safetensors.torch.load_file`` and writes it back with ``save_file``; the quantizer is
-``vllm-dspark quantize`` (``quantize_checkpoint``). Both carry the target's shared heads
+The two alternate (quantize, copy, quantize, copy, ...; :func:`benchmarks.common.paired`), each
+timed as a whole process, as a user runs it (interpreter start and imports included; its own peak
+RSS): the copy loads every shard with ``safetensors.torch.load_file`` and writes it back with
+``save_file``; the quantizer is the ``vllm-dspark quantize`` command. Both carry the target's shared heads
 (``target/``) and the JSON files along. Throughput is GB of drafter input tensors per wall second,
 the same numerator for both, so the ratio is the cost of quantizing, SNR measurement included.
 Then ``vllm-dspark check`` verifies the last output. Goal: the worst pair within 1.3x.
@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +34,14 @@ from benchmarks.common import (
     add_pairing_arguments,
     existing_dir,
     format_table,
-    in_subprocess,
     meets,
     paired,
     preset_drafter,
     spread_text,
+    whole_process,
     write_result,
 )
-from vllm_dspark.checkpoint import formats
-from vllm_dspark.checkpoint.store import human_bytes, human_params
+from vllm_dspark.checkpoint.layout import QUANT_FORMATS
 
 
 def _copy(model_dir: Path, out_dir: Path) -> None:
@@ -62,53 +59,26 @@ def _copy(model_dir: Path, out_dir: Path) -> None:
             shutil.copy2(path, out_dir / path.name)
 
 
-def _quantize(model_dir: Path, out_dir: Path, fmt: str, workers: int) -> None:
-    """The step: ``vllm-dspark quantize``."""
-    from vllm_dspark.checkpoint.quantize import quantize_checkpoint
-
-    quantize_checkpoint(model_dir, out_dir, fmt, workers=workers, progress=False)
-
-
-def _run_step(argv: list[str]) -> None:
-    name, model_dir, out_dir, *rest = argv
-    start = time.perf_counter()
-    if name == "copy":
-        _copy(Path(model_dir), Path(out_dir))
-    else:
-        _quantize(Path(model_dir), Path(out_dir), rest[0], int(rest[1]))
-    seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "peak_rss_bytes": _peak_rss_bytes()}))
-
-
-def _peak_rss_bytes() -> int:
-    """This process's own peak RSS. ``ru_maxrss`` is not: Linux carries the high-water mark of the
-    memory image a process had before ``exec`` into it, so a child spawned by a parent that had
-    grown (writing the random checkpoint) would report the parent's peak. ``VmHWM`` is the current
-    image's own."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 GOAL = 1.3  # quantize within this many times a copy, worst pair
 
 
-def _fresh(name: str, model_dir: Path, out_dir: Path, *args: str):
-    """Step ``name`` in a fresh interpreter, writing into an emptied ``out_dir`` (the last one stays)."""
-    measure = in_subprocess(
-        ["-m", "benchmarks.quantizer", "--step", name, str(model_dir), str(out_dir), *args]
-    )
+def _fresh(argv: list[str], out_dir: Path):
+    """``argv`` as a whole process, writing into an emptied ``out_dir`` (the last one stays)."""
+    measure = whole_process(argv)
 
     def run() -> dict[str, Any]:
         shutil.rmtree(out_dir, ignore_errors=True)
         return measure()
 
     return run
+
+
+def _quantize_command(model_dir: Path, out_dir: Path, fmt: str, workers: int) -> list[str]:
+    """``vllm-dspark quantize``, the installed command beside this interpreter."""
+    script = Path(sys.executable).with_name("vllm-dspark")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "vllm_dspark.tools.cli"]
+    return [*command, "quantize", "--model-dir", str(model_dir), "--output-dir", str(out_dir),
+            "--quant-format", fmt, "--workers", str(workers)]  # fmt: skip
 
 
 def run(
@@ -134,8 +104,18 @@ def run(
         input_bytes = sum(t.nbytes for t in stored.values())
         quantized = tmp / "quantized"
         result = paired(
-            _fresh("quantize", model_dir, quantized, fmt, str(workers)),
-            _fresh("copy", model_dir, tmp / "copy"),
+            _fresh(_quantize_command(model_dir, quantized, fmt, workers), quantized),
+            _fresh(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.quantizer",
+                    "--copy",
+                    str(model_dir),
+                    str(tmp / "copy"),
+                ],
+                tmp / "copy",
+            ),
             pairs=pairs,
             warmup=warmup,
             progress=f"quantizer {preset}",
@@ -172,6 +152,8 @@ def run(
 
 
 def table(result: dict[str, Any]) -> str:
+    from vllm_dspark.checkpoint.store import human_bytes, human_params
+
     gb = result["input_bytes"] / 1e9
     timed = [r for r in result["runs"] if not r["warmup"]]
     rows = []
@@ -212,8 +194,8 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--step"]:  # one measured step, in its own process (see _step)
-        _run_step(argv[1:])
+    if argv[:1] == ["--copy"]:  # the baseline, run as its own process
+        _copy(Path(argv[1]), Path(argv[2]))
         return 0
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.quantizer",
@@ -221,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_drafter_arguments(parser)
-    parser.add_argument("--format", choices=formats.names(), default="fp8")
+    parser.add_argument("--format", choices=list(QUANT_FORMATS), default="fp8")
     parser.add_argument(
         "--workers", type=int, default=None, help="quantize --workers (default: one per core)"
     )

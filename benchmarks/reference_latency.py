@@ -48,7 +48,7 @@ from vllm_dspark.checkpoint.layout import TARGET_DIR
 from vllm_dspark.checkpoint.presets import PRESETS, preset_config
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.reference.drafter import ReferenceDrafter
-from vllm_dspark.tools.draft import example_inputs
+from vllm_dspark.reference.io import example_inputs
 
 
 def weight_bytes_per_block(drafter: ReferenceDrafter) -> dict[str, int]:

@@ -1,18 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Serve the trained pair through vLLM's real ``dspark`` speculator, and record it.
+"""Serve the trained pair through vLLM's real ``dspark`` speculator, and record what it drafted.
 
 ``python -m tests.dspark_e2e --platform {cpu,cuda} --models DIR --out DIR`` runs, in one process and
-in-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), every engine the end-to-end tests check:
-the target without speculation (greedy, with top-2 logprobs), the BF16 and FP8 drafters greedy,
-and the BF16 drafter drafting probabilistically with block verification. It writes
-``results.json`` (outputs, spec-decode counters, what the worker holds) and ``captures.pt``: for
-each drafting step, what the speculator was given (aux hidden states, positions, rejected counts)
-and what it drafted (anchors, anchor positions, the backbone's hidden states at the block, the
-block), captured inside the engine. Two more
-captures come from the BF16 engine with a deliberately broken hook (Markov bias sign flipped; aux
-layers in the wrong order), which the reference check must reject.
+in-process engines, :func:`vllm_dspark.cpu_serving.pair.serve_pair` (the target without
+speculation with top-2 logprobs, the BF16 and FP8 drafters greedy, the BF16 drafter drafting
+probabilistically with block verification: what ``make demo`` serves). It writes ``results.json``
+(outputs, spec-decode counters, what the worker holds) and ``captures.pt``: for each drafting step,
+what the speculator was given (aux hidden states, positions, rejected counts) and what it drafted
+(anchors, anchor positions, the backbone's hidden states at the block, the block), captured inside
+the engine. Two more captures come from the BF16 engine with a deliberately broken hook (Markov
+bias sign flipped; aux layers in the wrong order), which the reference check must reject.
 
-On CPU it first enables :mod:`tests.triton_interpreter` (Model Runner V2 needs Triton), so it runs
+On CPU it first enables :mod:`vllm_dspark.cpu_serving` (Model Runner V2 needs Triton), so it runs
 in its own process: the interpreter must be set before vLLM is imported, and must not leak into
 other tests. ``tests/test_dspark_serving.py`` builds the models, runs this and asserts.
 """
@@ -20,28 +19,22 @@ other tests. ``tests/test_dspark_serving.py`` builds the models, runs this and a
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import time
 from pathlib import Path
 from typing import Any
 
+from vllm_dspark.cpu_serving import engines
+from vllm_dspark.cpu_serving.pair import BLOCK, heldout_prompts, sampling, serve_pair
+
 PAIR = Path(__file__).resolve().parent / "data" / "pair"
-BLOCK = 7
-PROMPT_TOKENS = 24
 # Held-out prompts of the trained pair (vllm-dspark train-pair), cut short: the CPU run is slow.
-PROMPTS = [
-    p["token_ids"][:PROMPT_TOKENS]
-    for p in json.loads((PAIR / "heldout_prompts.json").read_text())["prompts"][:3]
-]
+PROMPTS = heldout_prompts(PAIR, 3, 24)
 # Per platform: prompts and tokens per request. The CPU run interprets vLLM's Triton kernels
 # (about a second per decoding step on 2 cores), so it is sized to stay within CI's budget.
 SIZES = {
     "cpu": {"prompts": 2, "max_tokens": 10, "broken_tokens": 3},
     "cuda": {"prompts": 3, "max_tokens": 48, "broken_tokens": 8},
 }
-# TRITON_MLA: the non-causal-capable MLA backend on Hopper, for target and draft on GPUs (one layout).
-CUDA_ATTENTION_BACKEND = "TRITON_MLA"
 
 
 def build_models(root: Path) -> dict[str, Path]:
@@ -58,42 +51,6 @@ def build_models(root: Path) -> dict[str, Path]:
         "drafter": root / "drafter",
         "drafter-fp8": root / "drafter-fp8",
     }
-
-
-def _engine(
-    platform: str, target: Path, speculative_config: dict | None, *, enforce_eager: bool = True
-):
-    from vllm import LLM
-
-    if platform == "cuda":
-        extra: dict[str, Any] = {
-            "gpu_memory_utilization": 0.3,
-            "attention_config": {"backend": CUDA_ATTENTION_BACKEND},
-        }
-        if speculative_config is not None:
-            speculative_config = {**speculative_config, "attention_backend": CUDA_ATTENTION_BACKEND}
-    else:
-        # Small token budgets: MRV2's input-preparation kernels loop over them, interpreted.
-        extra = {"max_num_batched_tokens": 128}
-    return LLM(
-        model=str(target),
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=128,
-        max_num_seqs=4,
-        enforce_eager=enforce_eager,
-        seed=0,
-        disable_log_stats=False,
-        speculative_config=speculative_config,
-        # A cached prefix would skip the target forward that hands the drafter its aux states.
-        enable_prefix_caching=False,
-        **extra,
-    )
-
-
-def _worker(llm):
-    """The in-process worker (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one rank)."""
-    return llm.llm_engine.model_executor.driver_worker.worker
 
 
 class Capture:
@@ -203,137 +160,51 @@ def _describe(worker) -> dict:
     }
 
 
-def _counters(llm) -> dict:
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode"):
-            out[m.name] = m.values if hasattr(m, "values") else m.value
-    return out
-
-
-def _outputs(request_outputs) -> list[dict]:
-    outs = []
-    for ro in request_outputs:
-        o = ro.outputs[0]
-        entry: dict[str, Any] = {"tokens": list(o.token_ids)}
-        if o.logprobs:
-            steps = [sorted(step.items(), key=lambda kv: -kv[1].logprob)[:2] for step in o.logprobs]
-            entry["top2"] = [[a[0], b[0]] for a, b in steps]
-            entry["gaps"] = [a[1].logprob - b[1].logprob for a, b in steps]
-        outs.append(entry)
-    return outs
-
-
-def _served(platform: str, target: Path, speculative_config: dict | None, use, **engine) -> Any:
-    """``use(llm)`` on a fresh engine, released before returning: an engine that outlives the next
-    one's start tears down the process-wide parallel state that the next one uses."""
-    import torch
-
-    llm = _engine(platform, target, speculative_config, **engine)
-    try:
-        return use(llm)
-    finally:
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
 def run(platform: str, models: dict[str, Path], out: Path) -> None:
     import torch
-    from vllm import SamplingParams
 
     size = SIZES[platform]
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS[: size["prompts"]]]
-
-    def greedy(n: int = size["max_tokens"], logprobs: int | None = None) -> SamplingParams:
-        return SamplingParams(
-            temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False, logprobs=logprobs
-        )
-
-    def spec(drafter: str, **extra) -> dict:
-        return {
-            "method": "dspark",
-            "model": str(models[drafter]),
-            "num_speculative_tokens": BLOCK,
-            **extra,
-        }
-
-    results: dict[str, Any] = {"platform": platform, "block": BLOCK, **size}
+    prompts = PROMPTS[: size["prompts"]]
     captures: dict[str, list] = {}
 
-    def timed(use):
-        def run_timed(llm) -> dict:
-            start = time.perf_counter()
-            result = use(llm)
-            return {**result, "generate_seconds": time.perf_counter() - start}
+    def observe(run: str, llm):
+        if run not in ("bf16", "fp8"):
+            return dict
+        worker = engines.worker(llm)
+        capture = Capture(worker.model_runner.speculator)
 
-        return run_timed
-
-    results["baseline"] = _served(
-        platform,
-        models["target"],
-        None,
-        timed(lambda llm: {"outputs": _outputs(llm.generate(prompts, greedy(logprobs=2)))}),
-    )
-
-    for name, drafter in (("bf16", "drafter"), ("fp8", "drafter-fp8")):
-
-        def serve(llm, name=name) -> dict:
-            worker = _worker(llm)
-            capture = Capture(worker.model_runner.speculator)
-            start = time.perf_counter()
-            outputs = _outputs(llm.generate(prompts, greedy()))
-            seconds = time.perf_counter() - start
-            captures[name] = capture.close()
-            counters = _counters(llm)
-            if name == "bf16":
+        def finish() -> dict:
+            captures[run] = capture.close()
+            if run == "bf16":
+                requests = [{"prompt_token_ids": prompts[0]}]
                 captures.update(
-                    _broken_hook_captures(llm, worker, prompts[:1], greedy(size["broken_tokens"]))
+                    _broken_hook_captures(
+                        llm, worker, requests, sampling(run, 1, size["broken_tokens"])
+                    )
                 )
-            return {
-                "outputs": outputs,
-                "counters": counters,
-                "worker": _describe(worker),
-                "generate_seconds": seconds,
-            }
+            return {"worker": _describe(worker)}
 
-        results[name] = _served(platform, models["target"], spec(drafter), serve)
+        return finish
 
-    params = [greedy()] + [
-        SamplingParams(
-            temperature=0.8 + 0.2 * i,
-            seed=1 + i,
-            max_tokens=size["max_tokens"],
-            ignore_eos=True,
-            detokenize=False,
-        )
-        for i in range(len(prompts) - 1)
-    ]
-    results["probabilistic"] = _served(
-        platform,
-        models["target"],
-        spec("drafter", draft_sample_method="probabilistic", rejection_sample_method="block"),
-        timed(
-            lambda llm: {
-                "outputs": _outputs(llm.generate(prompts, params)),
-                "counters": _counters(llm),
-            }
-        ),
+    results: dict[str, Any] = {"platform": platform, "block": BLOCK, **size}
+    results.update(
+        serve_pair(models, prompts, size["max_tokens"], platform=platform, observe=observe)
     )
-
     if platform == "cuda":
         # The production path: the draft step (backbone + sequential Markov sampling) in a FULL CUDA graph.
-        results["cudagraphs"] = _served(
+        results["cudagraphs"] = engines.served(
             platform,
             models["target"],
-            spec("drafter"),
-            timed(
-                lambda llm: {
-                    "outputs": _outputs(llm.generate(prompts, greedy())),
-                    "counters": _counters(llm),
-                }
-            ),
+            engines.dspark_config(models["drafter"], BLOCK),
+            lambda llm: {
+                "outputs": engines.outputs(
+                    llm.generate(
+                        [{"prompt_token_ids": p} for p in prompts],
+                        sampling("bf16", len(prompts), size["max_tokens"]),
+                    )
+                ),
+                "counters": engines.counters(llm),
+            },
             enforce_eager=False,
         )
 
@@ -369,9 +240,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.platform == "cpu":
-        from tests import triton_interpreter
+        from vllm_dspark.cpu_serving import enable
 
-        triton_interpreter.enable()
+        enable()
     models = {name: args.models / name for name in ("target", "drafter", "drafter-fp8")}
     run(args.platform, models, args.out)
 

@@ -1092,7 +1092,7 @@ add(
 add(
     "quantize-unknown-format",
     2,
-    "invalid choice: 'int3'",
+    "unknown quant format 'int3'; choose one of fp8, mxfp4, nvfp4",
     lambda t, c: _quantize(c["bf16"], t, fmt="int3"),
 )
 add("check-missing-dir", 1, "is not a directory", lambda t, c: _check(t / "nowhere", t))

@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vllm_dspark.checkpoint.presets import preset_config
+from vllm_dspark.reference import INPUT_TENSORS, OUTPUT_TENSORS
 from vllm_dspark.reference.drafter import ReferenceDrafter
+from vllm_dspark.reference.io import example_inputs
 from vllm_dspark.tools import cli
-from vllm_dspark.tools.draft import INPUT_TENSORS, OUTPUT_TENSORS, example_inputs
 
 
 @pytest.fixture(scope="module")

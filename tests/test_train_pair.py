@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_dspark.tools import train_pair as tp
+from vllm_dspark.pair import train as tp
 
 PAIR = Path(__file__).parent / "data" / "pair"
 # A few seconds a run: every structural feature of the real pair (7-layer MLA target with the

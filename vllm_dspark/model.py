@@ -53,8 +53,8 @@ from vllm_dspark.checkpoint.quant_plan import (
 from vllm_dspark.checkpoint.store import resolve_checkpoint
 from vllm_dspark.compat import bind_upstream_context_kv, dspark_speculator_config_class
 from vllm_dspark.findings import Finding, FindingError, within
+from vllm_dspark.finite import invalid_scale_count
 from vllm_dspark.ops.rope import rotate_pe
-from vllm_dspark.safety import invalid_scale_count
 
 if TYPE_CHECKING:
     from vllm.config import CacheConfig

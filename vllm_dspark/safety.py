@@ -9,7 +9,6 @@
 - :func:`spill_dir` is a temporary folder for large scratch files, removed the same way;
 - staging and spill folders carry their writer's PID, so the next run removes those of a killed
   process (SIGKILL leaves them behind) and says so;
-- :func:`require_finite` and :func:`invalid_scale_count` refuse NaN / Inf weights and unusable scales.
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-import torch
 
 from vllm_dspark.findings import Finding, FindingError, render
 
@@ -305,32 +302,3 @@ def copy_tree(source: Path, target: Path) -> None:
 def describe_os_error(e: OSError) -> str:
     """One line naming the path, what went wrong, and the fix."""
     return render(os_error_finding(e))
-
-
-# ----- finite values -----
-
-
-def require_finite(tensor: torch.Tensor, name: str, fix: str) -> None:
-    """Raise ``ValueError`` naming ``name`` if ``tensor`` holds NaN or Inf."""
-    if tensor.is_floating_point():
-        bad = tensor.numel() - int(torch.isfinite(tensor).sum())
-        if bad:
-            raise FindingError(
-                Finding(f"{bad} of {tensor.numel()} values are NaN or infinite", fix, name)
-            )
-
-
-def invalid_scale_count(scale: torch.Tensor) -> int:
-    """How many entries of a quantization scale tensor cannot dequantize a weight.
-
-    The dtype says the kind: ``uint8`` is MXFP4's E8M0 exponent (255 encodes NaN); FP8 is NVFP4's
-    per-group scale (zero is valid for an all-zero group); any other float scale (FP8 channel,
-    NVFP4 global) must be finite and positive.
-    """
-    if scale.dtype == torch.uint8:
-        return int((scale == 255).sum())
-    values = scale.float()
-    positive = (
-        values >= 0 if scale.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else values > 0
-    )
-    return int((~torch.isfinite(values) | ~positive).sum())

@@ -11,9 +11,7 @@ Each violation is one :class:`~vllm_dspark.findings.Finding` naming the tensor o
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,8 @@ from vllm_dspark.checkpoint.store import (
 )
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.findings import Finding, FindingError, errors, render
-from vllm_dspark.safety import invalid_scale_count, os_error_finding
+from vllm_dspark.finite import invalid_scale_count
+from vllm_dspark.safety import os_error_finding
 
 _REQUANTIZE = "re-quantize the BF16 checkpoint with `vllm-dspark quantize`"
 
@@ -260,22 +259,3 @@ def _summarize_quantization(
         f"params, {100 * quantized_params / max(dense_params, 1):.0f} %), {len(specs) - len(quantized)} unquantized "
         "modules"
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="vllm-dspark check",
-        description="Verify a K3 DSpark drafter checkpoint's structure (config, shards, quantization_config, "
-        "every tensor's dtype and shape, scales) without loading its weights. Exits 1 on any problem.",
-    )
-    parser.add_argument("model_dir", type=Path, help="the drafter checkpoint directory")
-    args = parser.parse_args(argv)
-    report = check_checkpoint(args.model_dir)
-    print(report.render())
-    return 0 if report.ok else 1
-
-
-if __name__ == "__main__":
-    from vllm_dspark.tools.cli import main as cli_main
-
-    sys.exit(cli_main(["check", *sys.argv[1:]]))

@@ -38,6 +38,7 @@ from compressed_tensors.quantization.utils import (
 from vllm_dspark.checkpoint.layout import (
     GLOBAL_KINDS,
     LAYER_KINDS,
+    QUANT_FORMATS,
     QUANTIZABLE_KINDS,
     checkpoint_modules,
     kind_regex,
@@ -183,7 +184,7 @@ class FP8(QuantFormat):
     preset = "FP8_DYNAMIC"
     # compressed-tensors labels weight-only FP8 "naive-quantized"; older exports say "float-quantized".
     format_strings = ("naive-quantized", "float-quantized")
-    description = "fp8 per-channel: E4M3 per output channel"
+    description = QUANT_FORMATS["fp8"]
     # fp8 scales are plain floats: scale_dtype is not part of its contract.
     contract = tuple(f for f in _WEIGHT_FIELDS if f != "scale_dtype")
 
@@ -230,7 +231,7 @@ class MXFP4(_FP4):
     name = "mxfp4"
     preset = "MXFP4A16"
     format_strings = ("mxfp4-pack-quantized",)
-    description = "mxfp4: E2M1, groups of 32, E8M0 scales"
+    description = QUANT_FORMATS["mxfp4"]
     scale_dtype = torch.uint8
 
     def identify(self, dtypes: Mapping[str, str]) -> bool:
@@ -248,7 +249,7 @@ class NVFP4(_FP4):
     name = "nvfp4"
     preset = "NVFP4A16"
     format_strings = ("nvfp4-pack-quantized",)
-    description = "nvfp4: E2M1, groups of 16, E4M3 scales + a global scale"
+    description = QUANT_FORMATS["nvfp4"]
     scale_dtype = torch.float8_e4m3fn
     has_global_scale = True
 

@@ -69,6 +69,17 @@ QUANTIZABLE_KINDS: tuple[str, ...] = (
 )
 
 
+# The weight-only formats, by ``--quant-format`` name, one line each (``formats.REGISTRY`` holds one
+# class per name; the command line reads this without importing torch).
+QUANT_FORMATS: dict[str, str] = {
+    "fp8": "fp8 per-channel: E4M3 per output channel",
+    "mxfp4": "mxfp4: E2M1, groups of 32, E8M0 scales",
+    "nvfp4": "nvfp4: E2M1, groups of 16, E4M3 scales + a global scale",
+}
+# What ``quantize`` writes beside the checkpoint: REPORT_NAME.json and REPORT_NAME.md.
+REPORT_NAME = "quantization_report"
+
+
 def why_unquantized(kind: str) -> str:
     """Why a kind outside :data:`QUANTIZABLE_KINDS` stays BF16, as a clause."""
     if kind == "markov_head.markov_w2":

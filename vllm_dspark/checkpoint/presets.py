@@ -10,9 +10,10 @@ block of 7) at sizes that run in seconds on a CPU; every in_features is a multip
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm_dspark.config import K3DSparkConfig
+if TYPE_CHECKING:
+    from vllm_dspark.config import K3DSparkConfig
 
 _YARN = {
     "rope_type": "yarn",
@@ -117,6 +118,8 @@ def preset_config_json(name: str) -> dict[str, Any]:
 
 def preset_config(name: str, **overrides: Any) -> K3DSparkConfig:
     """``K3DSparkConfig`` of preset ``name``, with optional field overrides (for tests)."""
+    from vllm_dspark.config import K3DSparkConfig
+
     cfg = preset_config_json(name)
     cfg.update(overrides)
     return K3DSparkConfig(**cfg)

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -32,7 +31,7 @@ from tqdm import tqdm
 from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
-    QUANTIZABLE_KINDS,
+    REPORT_NAME,
     TARGET_DIR,
     ModuleSpec,
     checkpoint_modules,
@@ -56,17 +55,14 @@ from vllm_dspark.checkpoint.store import (
     read_checkpoint,
     validate_tensor_shapes,
 )
+from vllm_dspark.finite import require_finite
 from vllm_dspark.safety import (
     check_output,
     copy_tree,
     held_signals,
     refuse_nonempty,
-    require_finite,
     staged,
 )
-from vllm_dspark.tools.cli import ArgumentParser
-
-REPORT_NAME = "quantization_report"
 
 # Input bytes per chunk: small enough that the quantizer's passes over it run in cache.
 _CHUNK_BYTES = 1 << 19
@@ -448,75 +444,3 @@ def quantize_checkpoint(
     finally:
         torch.set_num_threads(threads)
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(
-        prog="vllm-dspark quantize",
-        description="Quantize a K3 DSpark drafter checkpoint to a weight-only format, in the "
-        "compressed-tensors format vLLM loads. Non-included tensors are copied bit-identical; a report "
-        f"({REPORT_NAME}.json/.md) gives params quantized, sizes and weight SNR.",
-        epilog='No calibration; SmoothQuant is off on purpose (why: the README, "Quantize and check a '
-        'drafter").',
-    )
-    # qstream's underscore spellings (--model_dir) still parse: ArgumentParser takes both.
-    parser.add_argument(
-        "--model-dir",
-        required=True,
-        type=Path,
-        help="the BF16 drafter checkpoint directory",
-    )
-    parser.add_argument(
-        "--output-dir",
-        required=True,
-        type=Path,
-        help="where to write the quantized checkpoint",
-    )
-    parser.add_argument(
-        "--quant-format",
-        required=True,
-        choices=formats.names(),
-        help="; ".join(fmt.description for fmt in formats.REGISTRY.values()),
-    )
-    parser.add_argument(
-        "--include-layers",
-        nargs="+",
-        default=list(FP8_RECIPE),
-        metavar="KIND",
-        help=f"module kinds to quantize, index-agnostic (default, the published FP8 build: "
-        f"{' '.join(FP8_RECIPE)}); quantizable: {' '.join(QUANTIZABLE_KINDS)}",
-    )
-    parser.add_argument(
-        "--device", default="cpu", choices=("cpu", "cuda"), help="where to quantize (default cpu)"
-    )
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        help="threads streaming row chunks (default: one per core)",
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
-    args = parser.parse_args(argv)
-    report = quantize_checkpoint(
-        args.model_dir,
-        args.output_dir,
-        args.quant_format,
-        args.include_layers,
-        device=args.device,
-        workers=args.workers,
-        overwrite=args.overwrite,
-    )
-    o = report["overall"]
-    print(
-        f"quantized {o['modules_quantized']} modules to {args.quant_format}: {human_params(o['params_quantized'])} of "
-        f"{human_params(o['params_total'])} params ({100 * o['fraction_quantized']:.0f} %), "
-        f"{human_bytes(o['bytes_before'])} -> {human_bytes(o['bytes_after'])}, weight SNR mean {o['snr_db_mean']:.1f} dB "
-        f"(min {o['snr_db_min']:.1f}), {o['seconds']:.1f} s; wrote {args.output_dir}"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    from vllm_dspark.tools.cli import main as cli_main
-
-    sys.exit(cli_main(["quantize", *sys.argv[1:]]))

@@ -36,7 +36,7 @@ from vllm_dspark.checkpoint.st_io import (
 )
 from vllm_dspark.config import K3DSparkConfig, check_identity
 from vllm_dspark.findings import Finding, FindingError, within
-from vllm_dspark.safety import invalid_scale_count
+from vllm_dspark.finite import invalid_scale_count
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"

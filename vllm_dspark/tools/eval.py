@@ -9,13 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 import vllm_dspark.drift as drift_pkg
-from vllm_dspark.checkpoint import formats
-from vllm_dspark.checkpoint.layout import FP8_RECIPE
-from vllm_dspark.drift.harness import default_variants
-from vllm_dspark.drift.regimes import DEFAULT_REGIMES, REGIMES
+from vllm_dspark.checkpoint.layout import FP8_RECIPE, QUANT_FORMATS
+from vllm_dspark.drift import DEFAULT_REGIMES, REGIMES, default_variants
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, staged
 from vllm_dspark.tools.cli import ArgumentParser
@@ -58,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         nargs="+",
         default=list(default_variants()),
-        help=f"bf16, {', '.join(formats.names())} (quantized on the fly), fp32 (self-check), or "
+        help=f"bf16, {', '.join(QUANT_FORMATS)} (quantized on the fly), fp32 (self-check), or "
         f"checkpoint directories (default: {' '.join(default_variants())})",
     )
     parser.add_argument(
@@ -121,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import torch
+
     if args.device == "cuda" and not torch.cuda.is_available():
         raise FindingError(
             Finding("--device cuda, but torch sees no CUDA device", "use --device cpu")

@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-dspark quantize``: a drafter to a weight-only format, in the compressed-tensors layout vLLM loads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vllm_dspark.checkpoint.layout import FP8_RECIPE, QUANT_FORMATS, QUANTIZABLE_KINDS, REPORT_NAME
+from vllm_dspark.tools.cli import ArgumentParser
+
+
+def registered_format(name: str) -> str:
+    """``name`` if a format of that name is registered (formats load only once a name is given)."""
+    from vllm_dspark.checkpoint import formats
+
+    try:
+        return formats.get(name).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="vllm-dspark quantize",
+        description="Quantize a K3 DSpark drafter checkpoint to a weight-only format, in the "
+        "compressed-tensors format vLLM loads. Non-included tensors are copied bit-identical; a report "
+        f"({REPORT_NAME}.json/.md) gives params quantized, sizes and weight SNR.",
+        epilog='No calibration; SmoothQuant is off on purpose (why: the README, "Quantize and check a '
+        'drafter").',
+    )
+    # qstream's underscore spellings (--model_dir) still parse: ArgumentParser takes both.
+    parser.add_argument(
+        "--model-dir", required=True, type=Path, help="the BF16 drafter checkpoint directory"
+    )
+    parser.add_argument(
+        "--output-dir", required=True, type=Path, help="where to write the quantized checkpoint"
+    )
+    parser.add_argument(
+        "--quant-format",
+        required=True,
+        type=registered_format,
+        metavar="{" + ",".join(QUANT_FORMATS) + "}",
+        help="; ".join(QUANT_FORMATS.values()),
+    )
+    parser.add_argument(
+        "--include-layers",
+        nargs="+",
+        default=list(FP8_RECIPE),
+        metavar="KIND",
+        help=f"module kinds to quantize, index-agnostic (default, the published FP8 build: "
+        f"{' '.join(FP8_RECIPE)}); quantizable: {' '.join(QUANTIZABLE_KINDS)}",
+    )
+    parser.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"), help="where to quantize (default cpu)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="threads streaming row chunks (default: one per core)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from vllm_dspark.checkpoint.quantize import quantize_checkpoint
+    from vllm_dspark.checkpoint.store import human_bytes, human_params
+
+    report = quantize_checkpoint(
+        args.model_dir,
+        args.output_dir,
+        args.quant_format,
+        args.include_layers,
+        device=args.device,
+        workers=args.workers,
+        overwrite=args.overwrite,
+    )
+    o = report["overall"]
+    print(
+        f"quantized {o['modules_quantized']} modules to {args.quant_format}: {human_params(o['params_quantized'])} of "
+        f"{human_params(o['params_total'])} params ({100 * o['fraction_quantized']:.0f} %), "
+        f"{human_bytes(o['bytes_before'])} -> {human_bytes(o['bytes_after'])}, weight SNR mean {o['snr_db_mean']:.1f} dB "
+        f"(min {o['snr_db_min']:.1f}), {o['seconds']:.1f} s; wrote {args.output_dir}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    from vllm_dspark.tools.cli import main as cli_main
+
+    sys.exit(cli_main(["quantize", *sys.argv[1:]]))

