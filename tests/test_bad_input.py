@@ -1266,7 +1266,7 @@ def test_debug_shows_the_traceback(
 
 def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only named failure types are caught: a real bug is not dressed up as bad input."""
-    from vllm_dspark.checkpoint import check
+    from vllm_dspark.tools import check
 
     def broken(argv):
         raise TypeError("a bug")

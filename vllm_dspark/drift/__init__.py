@@ -52,8 +52,6 @@ Method:
 
 from __future__ import annotations
 
-from vllm_dspark.checkpoint.layout import QUANT_FORMATS
-
 # Aux hidden-state regimes (drift.regimes builds them); ``real`` needs the full target model.
 REGIMES: tuple[str, ...] = ("gauss", "heavy", "boot", "real")
 DEFAULT_REGIMES: tuple[str, ...] = REGIMES[:3]
@@ -61,8 +59,10 @@ SELF_CHECK = "fp32"  # a second, independently loaded reference: agreement 1, KL
 
 
 def default_variants() -> tuple[str, ...]:
-    """``bf16`` and every weight-only format, quantized on the fly."""
-    return ("bf16", *QUANT_FORMATS)
+    """``bf16`` and every registered format, quantized on the fly (loads the formats)."""
+    from vllm_dspark.checkpoint import formats
+
+    return ("bf16", *formats.names())
 
 
 def builtin_variants() -> tuple[str, ...]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import vllm_dspark.drift as drift_pkg
 from vllm_dspark.checkpoint.layout import FP8_RECIPE, QUANT_FORMATS
-from vllm_dspark.drift import DEFAULT_REGIMES, REGIMES, default_variants
+from vllm_dspark.drift import DEFAULT_REGIMES, REGIMES, SELF_CHECK, default_variants
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, staged
 from vllm_dspark.tools.cli import ArgumentParser
@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=list(default_variants()),
-        help=f"bf16, {', '.join(QUANT_FORMATS)} (quantized on the fly), fp32 (self-check), or "
-        f"checkpoint directories (default: {' '.join(default_variants())})",
+        default=None,
+        help=f"bf16, {', '.join(QUANT_FORMATS)} (quantized on the fly), {SELF_CHECK} (self-check), "
+        "or checkpoint directories (default: bf16 and every format)",
     )
     parser.add_argument(
         "--regimes",
@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.variants = args.variants or list(default_variants())
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
