@@ -22,6 +22,7 @@ class PerTensorFP8(formats.FP8):
     name = "fp8_tensor"
     preset = "FP8"
     description = "fp8_tensor: E4M3, one scale per tensor"
+    strategy = "tensor"
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         return {
@@ -141,3 +142,28 @@ def test_the_command_line_lists_exactly_the_built_in_formats() -> None:
 
     assert formats.names() == tuple(QUANT_FORMATS)
     assert all(formats.get(n).description == d for n, d in QUANT_FORMATS.items())
+
+
+def test_each_format_states_its_presets_strategy_and_group_size() -> None:
+    """The plain data the FP8 path plans with (no compressed-tensors import) is the preset's own."""
+    for fmt in formats.REGISTRY.values():
+        weights = fmt.scheme.weights
+        assert (fmt.strategy, fmt.group_size) == (weights.strategy, weights.group_size), fmt.name
+
+
+def test_planning_and_quantizing_fp8_imports_no_compressed_tensors(tiny_checkpoint) -> None:
+    """Only writing quantization_config needs compressed-tensors (imported beside the work)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, torch\n"
+        "from vllm_dspark.checkpoint import formats, quantize\n"
+        f"plan = quantize._plan(__import__('pathlib').Path({str(tiny_checkpoint)!r}), 'fp8', "
+        "quantize.FP8_RECIPE)\n"
+        "item = next(i for items in plan.shards.values() for i in items if i.fmt)\n"
+        "formats.get('fp8').quantize_with_error(torch.randn(item.module.shape))\n"
+        "print('compressed_tensors' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

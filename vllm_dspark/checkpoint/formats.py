@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The weight-only formats a drafter can be quantized to: one :class:`QuantFormat` per format.
 
-Everything numeric comes from compressed-tensors (preset schemes, qparam helpers, compressors);
+Everything numeric comes from compressed-tensors (preset schemes, qparam helpers, compressors),
+imported where it is used: a format also states its weight strategy and group size as plain data
+(checked against its preset in the tests), so the FP8 path plans and quantizes without it;
 a format chooses its scheme, declares the tensors it stores per module, and recognises its own
 config groups and stored tensors. :data:`REGISTRY` holds them by name; every tool asks it, so a
 new format is one registered class. The math runs in row chunks (:func:`quantize_weight` and
@@ -18,22 +20,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from compressed_tensors.compressors import BaseCompressor
-from compressed_tensors.compressors.format import infer_module_format
-from compressed_tensors.quantization import (
-    QuantizationArgs,
-    QuantizationConfig,
-    QuantizationScheme,
-    QuantizationStatus,
-    QuantizationStrategy,
-    preset_name_to_scheme,
-)
-from compressed_tensors.quantization.lifecycle.forward import fake_quantize
-from compressed_tensors.quantization.utils import (
-    calculate_qparams,
-    compute_dynamic_scales_and_zp,
-    generate_gparam,
-)
 
 from vllm_dspark.checkpoint.layout import (
     GLOBAL_KINDS,
@@ -47,6 +33,13 @@ from vllm_dspark.checkpoint.layout import (
 )
 
 if TYPE_CHECKING:
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+
     from vllm_dspark.config import K3DSparkConfig
 
 # Rows per chunk hold about this many weights: the chunk stays in cache across compressed-tensors'
@@ -85,10 +78,15 @@ class QuantFormat:
     description: str  # one line for --help and error messages
     contract = _WEIGHT_FIELDS  # the weight args a config group must share with the scheme to be this format
     has_global_scale = False
+    strategy: str  # the preset's weight strategy: "channel", "group" or "tensor"
+    group_size: int | None = None  # input columns per scale; None for a whole row or tensor
 
     @functools.cached_property
     def scheme(self) -> QuantizationScheme:
         """The compressed-tensors scheme (targets filled in by :func:`compressed_tensors_config`)."""
+        from compressed_tensors.compressors.format import infer_module_format
+        from compressed_tensors.quantization import preset_name_to_scheme
+
         scheme = preset_name_to_scheme(self.preset, targets=[]).model_copy(
             update={"input_activations": None}
         )
@@ -97,12 +95,9 @@ class QuantFormat:
 
     @property
     def compressor(self) -> type[BaseCompressor]:
-        return BaseCompressor.get_value_from_registry(self.scheme.format)
+        from compressed_tensors.compressors import BaseCompressor
 
-    @property
-    def group_size(self) -> int | None:
-        """Input columns per scale; None for a whole row or tensor."""
-        return self.scheme.weights.group_size
+        return BaseCompressor.get_value_from_registry(self.scheme.format)
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         """``{suffix: TensorSpec}`` of the tensors that replace a [N, K] ``weight``: what vLLM's scheme loads."""
@@ -141,7 +136,7 @@ class QuantFormat:
     @property
     def row_separable(self) -> bool:
         """Whether rows quantize independently (given any global scale): a weight may stream in row chunks."""
-        return self.scheme.weights.strategy != QuantizationStrategy.TENSOR
+        return self.strategy != "tensor"
 
     def quantize_with_error(
         self, weight: torch.Tensor, global_scale: torch.Tensor | None = None
@@ -185,6 +180,7 @@ class FP8(QuantFormat):
     # compressed-tensors labels weight-only FP8 "naive-quantized"; older exports say "float-quantized".
     format_strings = ("naive-quantized", "float-quantized")
     description = QUANT_FORMATS["fp8"]
+    strategy = "channel"
     # fp8 scales are plain floats: scale_dtype is not part of its contract.
     contract = tuple(f for f in _WEIGHT_FIELDS if f != "scale_dtype")
 
@@ -202,7 +198,7 @@ class FP8(QuantFormat):
     def quantize_with_error(
         self, weight: torch.Tensor, global_scale: torch.Tensor | None = None
     ) -> tuple[dict[str, torch.Tensor], float, float]:
-        if self.scheme.weights.strategy != QuantizationStrategy.CHANNEL:
+        if self.strategy != "channel":
             return super().quantize_with_error(weight, global_scale)
         _check_weight(weight, self.name)
         return fp8_channel_quantize(weight)
@@ -232,6 +228,7 @@ class MXFP4(_FP4):
     preset = "MXFP4A16"
     format_strings = ("mxfp4-pack-quantized",)
     description = QUANT_FORMATS["mxfp4"]
+    strategy, group_size = "group", 32
     scale_dtype = torch.uint8
 
     def identify(self, dtypes: Mapping[str, str]) -> bool:
@@ -250,6 +247,7 @@ class NVFP4(_FP4):
     preset = "NVFP4A16"
     format_strings = ("nvfp4-pack-quantized",)
     description = QUANT_FORMATS["nvfp4"]
+    strategy, group_size = "tensor_group", 16
     scale_dtype = torch.float8_e4m3fn
     has_global_scale = True
 
@@ -262,6 +260,8 @@ class NVFP4(_FP4):
         That is llmcompressor's ``update_fused_layer_weight_global_scales`` (the minimum of the
         shards' own global scales).
         """
+        from compressed_tensors.quantization.utils import generate_gparam
+
         lo, hi = zip(*(torch.aminmax(w.detach()) for w in weights))
         return generate_gparam(torch.stack(lo).min().float(), torch.stack(hi).max().float())
 
@@ -291,8 +291,13 @@ def _check_weight(weight: torch.Tensor, fmt: str) -> None:
 
 
 def _scales(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> torch.Tensor:
+    from compressed_tensors.quantization.utils import (
+        calculate_qparams,
+        compute_dynamic_scales_and_zp,
+    )
+
     args = _scheme(fmt).weights
-    if args.strategy == QuantizationStrategy.CHANNEL:
+    if args.strategy == "channel":
         scale, _ = calculate_qparams(x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True), args)
     else:
         scale, _ = compute_dynamic_scales_and_zp(x, args, module=None, global_scale=global_scale)
@@ -356,6 +361,8 @@ def fake_quantize_weight(
     """
     global_scale = _global_scale(weight, fmt, global_scale)
     args = _scheme(fmt).weights
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
     out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
     with torch.compiler.set_stance("force_eager"):
         for rows in _row_chunks(*weight.shape):
@@ -515,6 +522,8 @@ def compressed_tensors_config(
         f"group_{i}": get(fmt).scheme.model_copy(update={"targets": list(entries)})
         for i, (fmt, entries) in enumerate(targets.items())
     }
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
     qc = QuantizationConfig(
         config_groups=groups,
         format=next(iter(groups.values())).format if len(groups) == 1 else "mixed-precision",
@@ -557,6 +566,8 @@ def parse_quantization_config(quantization_config: dict[str, Any]) -> Quantizati
         raise ValueError(
             f"quant_method is {quantization_config.get('quant_method')!r}; only 'compressed-tensors' is supported"
         )
+    from compressed_tensors.quantization import QuantizationConfig
+
     return QuantizationConfig.model_validate(quantization_config)
 
 

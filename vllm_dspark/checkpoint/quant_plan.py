@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from compressed_tensors.utils.match import is_match
 
 from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import (
@@ -225,6 +224,7 @@ class _Config:
         self, specs: list[ModuleSpec], start_layer_id: int | None, lenient: Mapping[str, str]
     ) -> dict[str, tuple[str | None, str | None]]:
         """``{module: (fmt or None, why)}``; ``lenient`` maps entries to the regex read in their place."""
+        from compressed_tensors.utils.match import is_match
 
         def hits(entry: str, names: list[str], stand_in: torch.nn.Module) -> bool:
             if entry in lenient:
@@ -246,6 +246,8 @@ class _Config:
 
     def dead_entries(self, specs: list[ModuleSpec], start_layer_id: int | None) -> list[str]:
         """Entries that match no module under compressed-tensors' rules, in config order."""
+        from compressed_tensors.utils.match import is_match
+
         entries = dict.fromkeys([t for t, _ in self.targets] + self.ignore)
         for spec in specs:
             names, stand_in = _names(spec, start_layer_id), _stand_in(spec.role)

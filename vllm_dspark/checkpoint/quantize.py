@@ -12,6 +12,7 @@ No calibration, and SmoothQuant stays off: why is in the README ("Quantize and c
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -23,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -63,6 +64,9 @@ from vllm_dspark.safety import (
     refuse_nonempty,
     staged,
 )
+
+if TYPE_CHECKING:
+    from vllm_dspark.config import K3DSparkConfig
 
 # Input bytes per chunk: small enough that the quantizer's passes over it run in cache.
 _CHUNK_BYTES = 1 << 19
@@ -107,11 +111,19 @@ class _Item:
 
 @dataclass(frozen=True)
 class _Plan:
-    config_json: dict[str, Any]  # the output's config.json
+    source_config_json: dict[str, Any]  # the input's config.json
+    config: K3DSparkConfig
     kinds: tuple[str, ...]  # the included module kinds
     shards: dict[
         str, list[_Item]
     ]  # output shard name -> its tensors, as the input shards hold them
+
+    def config_json(self, fmt: str) -> dict[str, Any]:
+        """The output's config.json: the input's with its ``quantization_config``."""
+        return dict(
+            self.source_config_json,
+            quantization_config=formats.quantization_config(fmt, self.kinds, self.config),
+        )
 
 
 def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
@@ -147,10 +159,7 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
     shards: dict[str, list[_Item]] = {}
     for item in items:
         shards.setdefault(item.stored.path.name, []).append(item)
-    raw = dict(
-        checkpoint.config_json, quantization_config=formats.quantization_config(fmt, kinds, config)
-    )
-    return _Plan(raw, kinds, dict(sorted(shards.items())))
+    return _Plan(checkpoint.config_json, config, kinds, dict(sorted(shards.items())))
 
 
 def _read(source: StoredTensor, key: str) -> torch.Tensor:
@@ -382,7 +391,7 @@ def _write_quantized(
     total = sum(e.nbytes for item in items for e in item.outputs())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    (staging / CONFIG_NAME).write_text(json.dumps(plan.config_json, indent=2) + "\n")
+    (staging / CONFIG_NAME).write_text(json.dumps(plan.config_json(fmt), indent=2) + "\n")
     stored = {item.key: item.stored for item in items}
     return _summarise(fmt, plan.kinds, modules, stored, total, time.perf_counter() - start)
 
@@ -427,6 +436,11 @@ def quantize_checkpoint(
     check_output(output_dir, [model_dir], flag="--output-dir")
     refuse_nonempty(output_dir, overwrite=overwrite, flag="--output-dir")
     plan = _plan(model_dir, fmt, include_layers)
+    # compressed-tensors takes seconds to import and FP8 needs it only to write quantization_config
+    # at the end: import it meanwhile, beside the work.
+    threading.Thread(
+        target=importlib.import_module, args=("compressed_tensors",), daemon=True
+    ).start()
     threads = torch.get_num_threads()
     try:
         # Workers split the cores between them instead of each fanning out over all of them.
