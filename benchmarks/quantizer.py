@@ -181,7 +181,7 @@ def table(result: dict[str, Any]) -> str:
             format_table(rows, list(rows[0])),
             "",
             f"{result['pairs']} pairs (quantize, copy) after {result['warmup']} warm-up pair, "
-            f"each run in its own process; goal {result['goal_ratio']}× in the worst pair: "
+            f"each timed as a whole process (interpreter start and imports included); goal {result['goal_ratio']}× in the worst pair: "
             f"{'met' if result['meets_goal'] else 'not met'}. "
             f"`{result['preset']}` preset: {human_params(q['params_quantized'])} of {human_params(q['params_total'])} params "
             f"quantized, {human_bytes(q['bytes_before'])} -> {human_bytes(q['bytes_after'])}, weight SNR mean "

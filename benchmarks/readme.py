@@ -75,6 +75,15 @@ def goals(results_dir: Path = RESULTS_DIR) -> list[dict[str, str]]:
             register["meets_goal"],
             "register",
         )
+        if helps := register.get("help"):
+            worst = max(r["step_seconds"]["max"] for r in helps.values())
+            goal(
+                f"`vllm-dspark --help` and every subcommand's `--help` under "
+                f"{register['help_goal_s']:.0f} s, whole process, worst pair",
+                f"{worst:.2f} s (slowest of {len(helps)} commands)",
+                all(r["meets_goal"] for r in helps.values()),
+                "register",
+            )
     if suite := _load(results_dir, "suite"):
         minutes = suite["total_s"] / 60
         goal("the speed suite under 30 minutes in all", f"{minutes:.1f} min", minutes < 30, "all")
