@@ -32,7 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_dspark.config import REQUIRED_FIELDS
+from vllm_dspark.fields import REQUIRED_FIELDS
 from vllm_dspark.tools import cli
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,6 +11,7 @@ import pytest
 from vllm_dspark.checkpoint.layout import tensor_shapes
 from vllm_dspark.checkpoint.presets import PRESETS, preset_config, preset_config_json
 from vllm_dspark.config import K3DSparkConfig
+from vllm_dspark.fields import DEFAULTS, REQUIRED_FIELDS, parse_fields
 
 
 def _with(**changes):
@@ -118,16 +119,43 @@ INVALID = [
 ]
 
 
+# The plugin's class, and the transformers-free parse the checkpoint tools use (quantize).
+PARSERS = {"K3DSparkConfig": lambda raw: K3DSparkConfig(**raw), "parse_fields": parse_fields}
+
+
+@pytest.mark.parametrize("parse", list(PARSERS))
 @pytest.mark.parametrize(
     "changes,words", INVALID, ids=[next(iter(c)) + "-" + str(i) for i, (c, _) in enumerate(INVALID)]
 )
-def test_invalid_field_is_refused_with_a_named_fix(changes, words) -> None:
+def test_invalid_field_is_refused_with_a_named_fix(changes, words, parse) -> None:
+    field, value = next(iter(changes.items()))
+    if parse == "parse_fields" and field in REQUIRED_FIELDS and value in (_DROP, None):
+        words = [f"required field(s) {field} missing"]  # refused before any default applies
     with pytest.raises(ValueError) as info:
-        K3DSparkConfig(**_with(**changes))
+        PARSERS[parse](_with(**changes))
     message = str(info.value)
     for word in words:
         assert word in message, f"{word!r} not in {message!r}"
     assert "Fix" in message or "rope_parameters" in message
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_fields_without_transformers_are_the_configs_own(name: str) -> None:
+    """``parse_fields`` sees every field and default the plugin's class does, so the same layout."""
+    raw = preset_config_json(name)
+    derived = {
+        "num_key_value_heads": raw["num_attention_heads"],
+        "draft_vocab_size": raw["vocab_size"],
+    }
+    for key, default in {**DEFAULTS, **derived}.items():
+        if raw.get(key) == default:
+            del raw[key]  # left to the defaults
+    config, fields = K3DSparkConfig(**raw), parse_fields(raw)
+    for key, value in vars(fields).items():
+        if key != "torch_dtype":  # transformers turns the string into a torch.dtype
+            assert getattr(config, key) == value, key
+    assert fields.kv_latent_dim == config.kv_latent_dim
+    assert tensor_shapes(fields) == tensor_shapes(config)
 
 
 def test_default_latent_is_the_targets_576() -> None:

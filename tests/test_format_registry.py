@@ -23,6 +23,7 @@ class PerTensorFP8(formats.FP8):
     preset = "FP8"
     description = "fp8_tensor: E4M3, one scale per tensor"
     strategy = "tensor"
+    compiled_kernels = True  # compressed-tensors' own compressor and fake_quantize
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         return {
@@ -144,26 +145,53 @@ def test_the_command_line_lists_exactly_the_built_in_formats() -> None:
     assert all(formats.get(n).description == d for n, d in QUANT_FORMATS.items())
 
 
-def test_each_format_states_its_presets_strategy_and_group_size() -> None:
-    """The plain data the FP8 path plans with (no compressed-tensors import) is the preset's own."""
-    for fmt in formats.REGISTRY.values():
-        weights = fmt.scheme.weights
-        assert (fmt.strategy, fmt.group_size) == (weights.strategy, weights.group_size), fmt.name
+def _library_config(targets: dict[str, list[str]], ignore: list[str]) -> dict:
+    """What compressed-tensors itself dumps for these config groups."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+    groups = {
+        f"group_{i}": formats.get(fmt).scheme.model_copy(update={"targets": entries})
+        for i, (fmt, entries) in enumerate(targets.items())
+    }
+    return QuantizationConfig(
+        config_groups=groups,
+        format=next(iter(groups.values())).format if len(groups) == 1 else "mixed-precision",
+        quantization_status=QuantizationStatus.COMPRESSED,
+        ignore=ignore,
+    ).model_dump(mode="json")
 
 
-def test_planning_and_quantizing_fp8_imports_no_compressed_tensors(tiny_checkpoint) -> None:
-    """Only writing quantization_config needs compressed-tensors (imported beside the work)."""
+@pytest.mark.parametrize(
+    "targets",
+    [{name: ["re:.*a$"]} for name in formats.names()]
+    + [{"fp8": ["re:.*a$"], "nvfp4": ["re:.*b$"], "mxfp4": ["re:.*c$"]}],
+    ids=[*formats.names(), "mixed"],
+)
+def test_quantization_config_written_without_the_library_is_the_librarys_own(targets) -> None:
+    """The library-free writer, read back by compressed-tensors, is exactly what it writes itself."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    ours = formats.compressed_tensors_config(targets, ignore=["re:.*z$"])
+    read = QuantizationConfig.model_validate(ours).model_dump(mode="json")
+    assert read == _library_config(targets, ["re:.*z$"])
+    assert formats.group_formats(ours) == {f"group_{i}": fmt for i, fmt in enumerate(targets)}
+
+
+def test_quantizing_fp8_imports_neither_compressed_tensors_nor_transformers(
+    tiny_checkpoint, tmp_path
+) -> None:
+    """`vllm-dspark quantize --quant-format fp8` pays for torch and safetensors only, as a copy does."""
     import subprocess
     import sys
 
+    heavy = ["compressed_tensors", "transformers", "torch._dynamo"]
     probe = (
-        "import sys, torch\n"
-        "from vllm_dspark.checkpoint import formats, quantize\n"
-        f"plan = quantize._plan(__import__('pathlib').Path({str(tiny_checkpoint)!r}), 'fp8', "
-        "quantize.FP8_RECIPE)\n"
-        "item = next(i for items in plan.shards.values() for i in items if i.fmt)\n"
-        "formats.get('fp8').quantize_with_error(torch.randn(item.module.shape))\n"
-        "print('compressed_tensors' in sys.modules)\n"
+        "import sys\n"
+        "from vllm_dspark.tools.quantize import main\n"
+        f"main(['--model-dir', {str(tiny_checkpoint)!r}, '--output-dir', {str(tmp_path / 'q')!r}, "
+        "'--quant-format', 'fp8'])\n"
+        f"print([m for m in {heavy!r} if m in sys.modules])\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "q" / "config.json").exists()

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vllm_dspark"
 
 # layer -> module patterns; the first layer with a matching pattern owns a module.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "leaf": ("version", "findings", "config", "safety", "finite", "compat", "ops", "ops.*"),
+    "leaf": ("version", "findings", "fields", "config", "safety", "finite", "compat", "ops", "ops.*"),
     "contract": ("checkpoint", "checkpoint.layout", "checkpoint.formats", "checkpoint.st_io",
                  "checkpoint.presets"),
     "loading": ("checkpoint.store", "checkpoint.quant_plan", "checkpoint.check"),

@@ -9,9 +9,9 @@ is idempotent, imports nothing heavy and never touches CUDA.
 from __future__ import annotations
 
 from vllm_dspark.compat import check_vllm_version, fix_cpu_rotary_embedding_on_import
+from vllm_dspark.fields import ARCHITECTURE as ARCHITECTURE
 from vllm_dspark.version import __version__ as __version__
 
-ARCHITECTURE = "K3DSparkModel"
 MODEL_CLASS_PATH = "vllm_dspark.model:K3DSparkForCausalLM"
 
 _registered = False

@@ -13,46 +13,16 @@ instead of surfacing later as a shape error deep inside torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 from huggingface_hub.errors import StrictDataclassError
 from transformers import DeepseekV3Config
 
+from vllm_dspark.fields import MODEL_TYPE, KVLatent, validate_config, with_defaults
 from vllm_dspark.findings import Finding, FindingError
 
-# The latent the Kimi-K3 target stores per token in its MLA KV pages: kv_lora_rank 512 + rope 64.
-K3_KV_LATENT_DIM = 576
 
-ARCHITECTURE = "K3DSparkModel"
-# Fields a drafter's config.json must state: DeepseekV3Config would otherwise default them to its own
-# (MoE model's) values, and the drafter would fail with dozens of shape errors, or load wrong.
-REQUIRED_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "vocab_size",
-    "max_position_embeddings",
-    "rms_norm_eps",
-    "target_hidden_size",
-    "num_target_layers",
-    "target_layer_ids",
-    "mask_token_id",
-    "markov_rank",
-    "block_size",
-)
-
-YARN_REQUIRED_KEYS = ("factor", "original_max_position_embeddings")
-YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-
-
-class K3DSparkConfig(DeepseekV3Config):
+class K3DSparkConfig(KVLatent, DeepseekV3Config):
     """Configuration of a K3 DSpark drafter (``architectures: ["K3DSparkModel"]``).
 
     Fields beyond ``DeepseekV3Config``'s, as in the published checkpoint's ``config.json``:
@@ -63,25 +33,12 @@ class K3DSparkConfig(DeepseekV3Config):
     target's MLA cache holds; 576 for Kimi-K3).
     """
 
-    model_type = "k3_dspark"
+    model_type = MODEL_TYPE
     has_no_defaults_at_init = True
 
     def __init__(self, rope_theta: float = 50000.0, **kwargs: Any) -> None:
-        # DeepseekV3Config defaults to a MoE topology; zero it so vLLM sees a dense drafter.
-        kwargs.setdefault("n_routed_experts", 0)
-        kwargs.setdefault("n_shared_experts", 0)
-        kwargs.setdefault("num_experts_per_tok", 0)
-        kwargs.setdefault("num_mtp_layers", 0)
-        kwargs["rope_parameters"] = _normalise_rope(kwargs.get("rope_parameters"), rope_theta)
-        for key in (
-            "mla_use_nope",
-            "mla_use_output_gate",
-            "mla_use_qk_norm",
-            "dspark_bonus_anchor",
-        ):
-            kwargs.setdefault(key, False)
         try:
-            super().__init__(**kwargs)
+            super().__init__(**with_defaults(kwargs, rope_theta))
         except StrictDataclassError as e:
             # transformers' strict dataclass validation: re-raise as the finding callers expect,
             # keeping its message, which names the field and the type it wanted.
@@ -89,267 +46,7 @@ class K3DSparkConfig(DeepseekV3Config):
                 Finding(str(e), "correct that field in config.json", "K3DSparkConfig")
             ) from None
         self.rope_theta = float(self.rope_parameters["rope_theta"])
-        if getattr(self, "draft_vocab_size", None) is None:
-            self.draft_vocab_size = self.vocab_size
-        if getattr(self, "target_kv_latent_dim", None) is None:
-            self.target_kv_latent_dim = K3_KV_LATENT_DIM
-        defaults = {
-            "markov_head_type": "vanilla",
-            "enable_confidence_head": False,
-            "confidence_head_with_markov": False,
-            "logit_scale": 1.0,
-            "sample_from_anchor": True,
-            "block_size": None,
-        }
-        for key, value in defaults.items():
-            if getattr(self, key, None) is None:
-                setattr(self, key, value)
         validate_config(self)
-
-    @property
-    def kv_latent_dim(self) -> int:
-        """Elements per token in the MLA latent cache: kv_lora_rank + qk_rope_head_dim."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-
-def _normalise_rope(rope: Mapping[str, Any] | None, rope_theta: float) -> dict[str, Any]:
-    """Fill rope defaults and refuse an incomplete YaRN block before transformers sees it.
-
-    transformers would raise a bare ``KeyError`` from deep inside its validator.
-    """
-    if rope is None:
-        return {"rope_type": "default", "rope_theta": float(rope_theta)}
-    if not isinstance(rope, Mapping):
-        _fail(
-            "rope_parameters",
-            f"must be a JSON object, got {type(rope).__name__}",
-            'use {"rope_type": "yarn", ...} as the published checkpoint does, or leave it out',
-            prefix="",
-        )
-    rope = dict(rope)
-    rope.setdefault("rope_type", rope.pop("type", "default"))
-    rope.setdefault("rope_theta", float(rope_theta))
-    if rope["rope_type"] == "yarn":
-        missing = [k for k in YARN_REQUIRED_KEYS if rope.get(k) is None]
-        if missing:
-            _fail(
-                "rope_parameters",
-                f"YaRN needs {', '.join(missing)}",
-                'the Kimi-K3 drafter uses {"rope_type": "yarn", "factor": 32.0, '
-                '"original_max_position_embeddings": 32768, "rope_theta": 50000.0, "beta_fast": 32, '
-                '"beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}',
-                prefix="",
-            )
-        if float(rope["factor"]) < 1.0:
-            _fail(
-                "rope_parameters.factor",
-                f"must be >= 1 for YaRN, got {rope['factor']}",
-                "use the factor the checkpoint was trained with (32.0 for Kimi-K3)",
-                prefix="",
-            )
-        for key, value in YARN_DEFAULTS.items():
-            rope.setdefault(key, value)
-    elif rope["rope_type"] != "default":
-        _fail(
-            "rope_parameters.rope_type",
-            f"{rope['rope_type']!r} is not supported by the K3 DSpark drafter",
-            "use 'yarn' (as the published checkpoint does) or 'default'",
-            prefix="",
-        )
-    return rope
-
-
-def _fail(field: str, problem: str, fix: str, *, prefix: str = "K3DSparkConfig.") -> NoReturn:
-    raise FindingError(Finding(problem, fix, f"{prefix}{field}"))
-
-
-def validate_config(c: K3DSparkConfig) -> None:
-    """Raise :class:`FindingError` naming the field and the fix for anything the drafter cannot honour."""
-    for field in ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor"):
-        if getattr(c, field, False):
-            _fail(
-                field,
-                "is set, but the MLA DSpark drafter has no such variant",
-                f"remove {field} or set it to false",
-            )
-    for field in (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "kv_lora_rank",
-        "qk_nope_head_dim",
-        "qk_rope_head_dim",
-        "v_head_dim",
-        "vocab_size",
-    ):
-        value = getattr(c, field, None)
-        if not isinstance(value, int) or value < 1:
-            _fail(
-                field,
-                f"must be a positive integer, got {value!r}",
-                f"set {field} as in the checkpoint it describes",
-            )
-    if c.q_lora_rank is None or c.q_lora_rank < 1:
-        _fail(
-            "q_lora_rank",
-            f"must be a positive integer, got {c.q_lora_rank!r}",
-            "the drafter always has a low-rank query path (1536 for Kimi-K3)",
-        )
-    if c.num_key_value_heads != c.num_attention_heads:
-        _fail(
-            "num_key_value_heads",
-            f"{c.num_key_value_heads} != num_attention_heads {c.num_attention_heads}",
-            "MLA has one KV head per query head after up-projection; set them equal",
-        )
-    if c.qk_rope_head_dim % 2:
-        _fail(
-            "qk_rope_head_dim",
-            f"must be even for rotary embedding, got {c.qk_rope_head_dim}",
-            "use an even size (64)",
-        )
-    if c.kv_latent_dim != c.target_kv_latent_dim:
-        _fail(
-            "kv_lora_rank",
-            f"kv_lora_rank {c.kv_lora_rank} + qk_rope_head_dim {c.qk_rope_head_dim} = "
-            f"{c.kv_latent_dim}, but the target's MLA cache holds {c.target_kv_latent_dim} elements per token",
-            "the draft's KV pages live in the target's cache, so match the target (512 + 64 = 576 for Kimi-K3), "
-            "or set target_kv_latent_dim to the target's latent size",
-        )
-    if c.hidden_act != "silu":
-        _fail(
-            "hidden_act",
-            f"{c.hidden_act!r} is not supported",
-            "the drafter's MLP is SwiGLU: set hidden_act to 'silu'",
-        )
-
-    ids = getattr(c, "target_layer_ids", None)
-    if (
-        not ids
-        or not isinstance(ids, (list, tuple))
-        or not all(isinstance(i, int) and i >= 0 for i in ids)
-    ):
-        _fail(
-            "target_layer_ids",
-            f"must be a non-empty list of target layer indices, got {ids!r}",
-            "list the target layers whose outputs feed context_proj, e.g. [2, 23, 47, 71, 89] for Kimi-K3",
-        )
-    if list(ids) != sorted(set(ids)):
-        _fail(
-            "target_layer_ids",
-            f"{list(ids)} must be strictly increasing",
-            "vLLM hands the aux hidden states over in ascending layer order; sort them and drop duplicates",
-        )
-    num_target_layers = getattr(c, "num_target_layers", None)
-    if num_target_layers != len(ids):
-        _fail(
-            "num_target_layers",
-            f"is {num_target_layers!r} but target_layer_ids has {len(ids)} entries",
-            f"set num_target_layers to {len(ids)}",
-        )
-    target_depth = getattr(c, "target_num_hidden_layers", None)
-    if target_depth is not None and max(ids) >= target_depth:
-        _fail(
-            "target_layer_ids",
-            f"layer {max(ids)} does not exist in a target of {target_depth} layers",
-            "use indices below target_num_hidden_layers",
-        )
-    target_hidden = getattr(c, "target_hidden_size", None)
-    if not isinstance(target_hidden, int) or target_hidden < 1:
-        _fail(
-            "target_hidden_size",
-            f"must be a positive integer, got {target_hidden!r}",
-            "set it to the target's hidden size (7168 for Kimi-K3)",
-        )
-
-    markov_rank = getattr(c, "markov_rank", None)
-    if not isinstance(markov_rank, int) or markov_rank < 1:
-        _fail(
-            "markov_rank",
-            f"is missing or not a positive integer ({markov_rank!r})",
-            "set the rank of the Markov head's markov_w1/markov_w2 (256 for Kimi-K3)",
-        )
-    if c.markov_head_type != "vanilla":
-        _fail(
-            "markov_head_type",
-            f"{c.markov_head_type!r} is not supported",
-            "only the 'vanilla' low-rank head (bias = W2 W1[prev]) is implemented",
-        )
-
-    mask = getattr(c, "mask_token_id", None)
-    if mask is None:
-        _fail(
-            "mask_token_id",
-            "is missing",
-            "set the id of the mask token that fills the block after the anchor "
-            "(163837 for Kimi-K3)",
-        )
-    if not isinstance(mask, int) or not 0 <= mask < c.vocab_size:
-        _fail(
-            "mask_token_id",
-            f"{mask!r} is outside the vocabulary [0, {c.vocab_size})",
-            "use an id in the vocabulary",
-        )
-    if c.draft_vocab_size != c.vocab_size:
-        _fail(
-            "draft_vocab_size",
-            f"{c.draft_vocab_size} != vocab_size {c.vocab_size}",
-            "the drafter shares the target's embedding and lm_head, so its vocabulary must equal the target's",
-        )
-
-    if c.block_size is None or not isinstance(c.block_size, int) or c.block_size < 1:
-        _fail(
-            "block_size",
-            f"must be an integer >= 1, got {c.block_size!r}",
-            "set the number of tokens drafted per parallel pass (7 for Kimi-K3)",
-        )
-    if not c.sample_from_anchor:
-        _fail(
-            "sample_from_anchor",
-            "is false (fill-in layout)",
-            "the K3 drafter drafts from the anchor: remove sample_from_anchor or set it to true",
-        )
-    if getattr(c, "is_causal", False):
-        _fail("is_causal", "is true", "the DSpark block is non-causal: remove is_causal")
-    if c.confidence_head_with_markov and not c.enable_confidence_head:
-        _fail(
-            "confidence_head_with_markov",
-            "is true but enable_confidence_head is false",
-            "enable the confidence head or drop confidence_head_with_markov",
-        )
-    if not isinstance(c.logit_scale, (int, float)) or not c.logit_scale > 0:
-        _fail(
-            "logit_scale",
-            f"must be a positive number, got {c.logit_scale!r}",
-            "use 1.0 unless the checkpoint says otherwise",
-        )
-    if c.max_position_embeddings < 1:
-        _fail(
-            "max_position_embeddings",
-            f"must be positive, got {c.max_position_embeddings}",
-            "use 1048576 for Kimi-K3",
-        )
-
-
-def check_identity(raw: Mapping[str, Any]) -> None:
-    """Refuse a config.json that is not a K3 DSpark drafter's, or that leaves a required field out."""
-    architectures, model_type = raw.get("architectures"), raw.get("model_type")
-    if architectures != [ARCHITECTURE] or model_type != K3DSparkConfig.model_type:
-        raise FindingError(
-            Finding(
-                f"architectures {architectures!r} and model_type {model_type!r} are not a K3 DSpark "
-                f'drafter\'s (["{ARCHITECTURE}"] and "{K3DSparkConfig.model_type}")',
-                "point at a K3 DSpark drafter checkpoint, or correct those fields",
-            )
-        )
-    missing = [field for field in REQUIRED_FIELDS if raw.get(field) is None]
-    if missing:
-        raise FindingError(
-            Finding(
-                f"required field(s) {', '.join(missing)} missing; they are never defaulted",
-                "use the config.json the checkpoint was written with",
-            )
-        )
 
 
 def register_config() -> None:

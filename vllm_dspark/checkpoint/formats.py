@@ -2,8 +2,8 @@
 """The weight-only formats a drafter can be quantized to: one :class:`QuantFormat` per format.
 
 Everything numeric comes from compressed-tensors (preset schemes, qparam helpers, compressors),
-imported where it is used: a format also states its weight strategy and group size as plain data
-(checked against its preset in the tests), so the FP8 path plans and quantizes without it;
+imported where it is used: a format also states its preset's weight args as plain data (checked
+against the preset in the tests), so the FP8 path plans, quantizes and writes its config without it;
 a format chooses its scheme, declares the tensors it stores per module, and recognises its own
 config groups and stored tensors. :data:`REGISTRY` holds them by name; every tool asks it, so a
 new format is one registered class. The math runs in row chunks (:func:`quantize_weight` and
@@ -78,8 +78,12 @@ class QuantFormat:
     description: str  # one line for --help and error messages
     contract = _WEIGHT_FIELDS  # the weight args a config group must share with the scheme to be this format
     has_global_scale = False
+    # Its quantizer runs compressed-tensors' torch.compile'd rounding, which must run eager.
+    compiled_kernels = True
+    num_bits: int  # the preset's weight args, as data (checked against the preset in the tests)
     strategy: str  # the preset's weight strategy: "channel", "group" or "tensor"
     group_size: int | None = None  # input columns per scale; None for a whole row or tensor
+    scale_dtype: torch.dtype | None = None  # a stored scale dtype the scheme names; None: float
 
     @functools.cached_property
     def scheme(self) -> QuantizationScheme:
@@ -92,6 +96,26 @@ class QuantFormat:
         )
         scheme.format = infer_module_format(torch.nn.Linear, scheme)
         return scheme
+
+    def config_group(self, targets: Sequence[str]) -> dict[str, Any]:
+        """This format's config group for ``targets``, as compressed-tensors reads it: the weight args
+        that differ from its defaults (library-free; the tests check it validates to :attr:`scheme`)."""
+        weights = {
+            "num_bits": self.num_bits,
+            "type": "float",
+            "symmetric": True,
+            "strategy": self.strategy,
+            "group_size": self.group_size,
+            "dynamic": False,
+            "scale_dtype": None if self.scale_dtype is None else str(self.scale_dtype),
+        }
+        return {
+            "targets": list(targets),
+            "weights": weights,
+            "input_activations": None,  # weight-only, said outright
+            "output_activations": None,
+            "format": self.format_strings[0],
+        }
 
     @property
     def compressor(self) -> type[BaseCompressor]:
@@ -180,7 +204,8 @@ class FP8(QuantFormat):
     # compressed-tensors labels weight-only FP8 "naive-quantized"; older exports say "float-quantized".
     format_strings = ("naive-quantized", "float-quantized")
     description = QUANT_FORMATS["fp8"]
-    strategy = "channel"
+    num_bits, strategy = 8, "channel"
+    compiled_kernels = False  # fp8_channel_quantize is plain torch
     # fp8 scales are plain floats: scale_dtype is not part of its contract.
     contract = tuple(f for f in _WEIGHT_FIELDS if f != "scale_dtype")
 
@@ -207,6 +232,7 @@ class FP8(QuantFormat):
 class _FP4(QuantFormat):
     """E2M1 codes packed two per byte, one scale per group of input columns."""
 
+    num_bits = 4
     scale_dtype: torch.dtype
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
@@ -517,20 +543,22 @@ def quantization_config(
 def compressed_tensors_config(
     targets: Mapping[str, Sequence[str]], *, ignore: Sequence[str]
 ) -> dict[str, Any]:
-    """A ``quantization_config`` dict: one config group per format in ``targets`` ({fmt: target entries})."""
+    """A ``quantization_config`` dict: one config group per format in ``targets`` ({fmt: target entries}).
+
+    Written without compressed-tensors (its import pulls in transformers: seconds); its parser fills
+    every field left out with its default, and the tests check the result equals its own dump.
+    """
     groups = {
-        f"group_{i}": get(fmt).scheme.model_copy(update={"targets": list(entries)})
+        f"group_{i}": get(fmt).config_group(entries)
         for i, (fmt, entries) in enumerate(targets.items())
     }
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
-
-    qc = QuantizationConfig(
-        config_groups=groups,
-        format=next(iter(groups.values())).format if len(groups) == 1 else "mixed-precision",
-        quantization_status=QuantizationStatus.COMPRESSED,
-        ignore=list(ignore),
-    )
-    return qc.model_dump(mode="json")
+    return {
+        "quant_method": "compressed-tensors",
+        "format": next(iter(groups.values()))["format"] if len(groups) == 1 else "mixed-precision",
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": list(ignore),
+    }
 
 
 # ----- reading a quantization_config -----

@@ -12,7 +12,6 @@ No calibration, and SmoothQuant stays off: why is in the README ("Quantize and c
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -21,7 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,7 +65,7 @@ from vllm_dspark.safety import (
 )
 
 if TYPE_CHECKING:
-    from vllm_dspark.config import K3DSparkConfig
+    from vllm_dspark.fields import DrafterFields
 
 # Input bytes per chunk: small enough that the quantizer's passes over it run in cache.
 _CHUNK_BYTES = 1 << 19
@@ -112,7 +111,7 @@ class _Item:
 @dataclass(frozen=True)
 class _Plan:
     source_config_json: dict[str, Any]  # the input's config.json
-    config: K3DSparkConfig
+    config: DrafterFields
     kinds: tuple[str, ...]  # the included module kinds
     shards: dict[
         str, list[_Item]
@@ -128,7 +127,7 @@ class _Plan:
 
 def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
     """Validate the request against the checkpoint, before anything is written."""
-    checkpoint = read_checkpoint(model_dir)
+    checkpoint = read_checkpoint(model_dir, fields_only=True)
     config, stored = checkpoint.config, checkpoint.stored
     try:
         quantized = checkpoint.plan().modules
@@ -436,11 +435,6 @@ def quantize_checkpoint(
     check_output(output_dir, [model_dir], flag="--output-dir")
     refuse_nonempty(output_dir, overwrite=overwrite, flag="--output-dir")
     plan = _plan(model_dir, fmt, include_layers)
-    # compressed-tensors takes seconds to import and FP8 needs it only to write quantization_config
-    # at the end: import it meanwhile, beside the work.
-    threading.Thread(
-        target=importlib.import_module, args=("compressed_tensors",), daemon=True
-    ).start()
     threads = torch.get_num_threads()
     try:
         # Workers split the cores between them instead of each fanning out over all of them.
@@ -449,8 +443,10 @@ def quantize_checkpoint(
             # The other files (the target's heads: GiBs) copy in the kernel meanwhile.
             with held_signals():
                 others = side.submit(_copy_other_files, model_dir, staging)
-            # Process-global: held for the run so no worker's own stance lapses while another's is set.
-            with torch.compiler.set_stance("force_eager"):
+            # Process-global: held for the run so no worker's own stance lapses while another's is set
+            # (entering it imports torch._dynamo, a second's work, so only formats that need it do).
+            eager = formats.get(fmt).compiled_kernels
+            with torch.compiler.set_stance("force_eager") if eager else nullcontext():
                 report = _write_quantized(plan, staging, fmt, device, workers, progress)
             others.result()
             (staging / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2) + "\n")

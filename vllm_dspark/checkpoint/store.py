@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,9 +34,12 @@ from vllm_dspark.checkpoint.st_io import (
     read_header,
     read_tensor,
 )
-from vllm_dspark.config import K3DSparkConfig, check_identity
+from vllm_dspark.fields import DrafterFields, check_identity, parse_fields
 from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.finite import invalid_scale_count
+
+if TYPE_CHECKING:
+    from vllm_dspark.config import K3DSparkConfig
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -124,10 +127,16 @@ def load_config(model_dir: str | Path) -> K3DSparkConfig:
     return _parse_config(read_config_json(model_dir), Path(model_dir) / CONFIG_NAME)
 
 
-def _parse_config(raw: dict[str, Any], path: Path) -> K3DSparkConfig:
-    """``raw`` (the config.json at ``path``) as a validated ``K3DSparkConfig``."""
+def _parse_config(
+    raw: dict[str, Any], path: Path, *, fields_only: bool = False
+) -> K3DSparkConfig | DrafterFields:
+    """``raw`` (the config.json at ``path``) as a validated ``K3DSparkConfig`` (or its fields alone)."""
     try:
+        if fields_only:
+            return parse_fields(raw)
         check_identity(raw)
+        from vllm_dspark.config import K3DSparkConfig  # transformers: seconds to import
+
         return K3DSparkConfig(**raw)
     except FindingError as e:
         raise FindingError(*within(str(path), e.findings)) from None
@@ -325,7 +334,7 @@ def stored_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
 class Checkpoint:
     """A drafter directory as read: its config, its raw config.json and its shards' headers."""
 
-    config: K3DSparkConfig
+    config: K3DSparkConfig | DrafterFields
     config_json: dict[str, Any]
     stored: dict[str, StoredTensor]
 
@@ -338,11 +347,12 @@ class Checkpoint:
         )
 
 
-def read_checkpoint(model_dir: str | Path) -> Checkpoint:
-    """Read a drafter directory's config.json and shard headers (no tensor data)."""
+def read_checkpoint(model_dir: str | Path, *, fields_only: bool = False) -> Checkpoint:
+    """Read a drafter directory's config.json and shard headers (no tensor data); ``fields_only``
+    checks the config without building a ``K3DSparkConfig`` (no transformers import)."""
     model_dir = Path(model_dir)
     raw = read_config_json(model_dir)
-    config = _parse_config(raw, model_dir / CONFIG_NAME)
+    config = _parse_config(raw, model_dir / CONFIG_NAME, fields_only=fields_only)
     return Checkpoint(config, raw, stored_tensors(model_dir))
 
 

@@ -13,13 +13,9 @@ from typing import Any
 from vllm_dspark.compat import DRAFT_ATTENTION_BACKENDS, SPECIALIZED_DECODE, SPECIALIZED_DRAFTER
 from vllm_dspark.compat import check_vllm_version as gate
 from vllm_dspark.doctor.facts import EngineFacts, MachineFacts, VllmSchema
+from vllm_dspark.fields import ARCHITECTURE, MODEL_TYPE
 from vllm_dspark.findings import Finding, FindingError, Severity, most_severe_first, within
 from vllm_dspark.version import SUPPORTED_VLLM, VLLM_CPU_BUILD, VLLM_GPU_BUILD, pin
-
-# The only DSpark architecture vLLM does not rewrite to DeepSeek-V4's.
-ARCHITECTURE = "K3DSparkModel"
-
-K3_MODEL_TYPE = "k3_dspark"
 
 # cudagraph modes with full graphs (vLLM's CUDAGraphMode.has_full_cudagraphs()); adaptive
 # verification rewrites query lengths on the device, which only a FULL graph replays.
@@ -41,7 +37,7 @@ def is_k3_drafter(drafter: Mapping[str, Any] | None) -> bool:
     """Whether a ``config.json`` dict describes a K3 DSpark drafter."""
     if not drafter:
         return False
-    return drafter.get("model_type") == K3_MODEL_TYPE or ARCHITECTURE in (
+    return drafter.get("model_type") == MODEL_TYPE or ARCHITECTURE in (
         drafter.get("architectures") or ()
     )
 
