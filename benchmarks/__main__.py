@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print("\n".join(f"  {k:<{width}}  {b.help}" for k, b in BENCHMARKS.items()))
         print(
-            f"  {'readme':<{width}}  regenerate README.md's benchmark section from benchmarks/results/"
+            f"  {'readme':<{width}}  regenerate the README's goals and quality tables and docs/benchmarks.md from benchmarks/results/"
         )
         return 0
     if argv[0] == "readme":

@@ -4,8 +4,8 @@
 Runs ``vllm-dspark eval``'s harness on a random drafter with the published config's shapes and
 realistic weight scales (``vllm-dspark make-random --preset k3 --seed 0``, created if ``--model``
 does not exist) and writes the full report (results.json, results.md, PNG plots) under
-``benchmarks/results/NAME/``, plus the headline table ``benchmarks/results/NAME.md`` that the
-README shows. Its throughput per pass is ``python -m benchmarks drift-speed``.
+``benchmarks/results/NAME/``, plus the headline table ``benchmarks/results/NAME.md`` that
+docs/benchmarks.md shows. Its throughput per pass is ``python -m benchmarks drift-speed``.
 
 The weights are random: the figures exercise the harness at real shapes and rank the formats on
 this model; they are not the published checkpoint's drift. The k3 run holds ~17 GiB and takes the
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "--name",
         default="drift",
         help="result name: benchmarks/results/NAME.{json,md} and, by default, the report in "
-        "benchmarks/results/NAME/ (default drift, the table the README shows)",
+        "benchmarks/results/NAME/ (default drift, the table docs/benchmarks.md shows)",
     )
     parser.add_argument(
         "--out", type=Path, default=None, help="report directory (default benchmarks/results/NAME)"

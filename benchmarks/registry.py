@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every benchmark by name: its module, the arguments of the run whose results are committed, and
-the README heading of its table. ``python -m benchmarks`` and the README generator read this."""
+the docs/benchmarks.md heading of its table. ``python -m benchmarks`` and the README generator read this."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ class Benchmark:
     module: str
     help: str
     result: str  # benchmarks/results/<result>.{json,md}
-    heading: str  # the README's heading for the result
+    heading: str  # docs/benchmarks.md's heading for the result
     args: tuple[
         str, ...
     ] = ()  # what makes the committed run; arguments given on the command line follow

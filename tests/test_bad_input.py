@@ -1685,8 +1685,8 @@ def test_stale_staging_of_a_killed_run_is_removed(
     assert out.exists()
 
 
-def test_the_case_count_in_the_readme_is_this_files() -> None:
-    """The README's "Bad input and interruption" section quotes how many cases this file runs."""
+def test_the_case_count_in_the_docs_is_this_files() -> None:
+    """docs/bad-input.md quotes how many cases this file runs."""
     # Every test above: the cases, the debug switches, the bug that keeps its traceback, vLLM's loader
     # (scales, a truncated shard), the interruptions, the swallowed signal, the stale folders, the
     # real OS errors and the benchmark's argument.
@@ -1702,6 +1702,6 @@ def test_the_case_count_in_the_readme_is_this_files() -> None:
         + len(OS_CASES)
         + 1
     )
-    readme = (ROOT / "README.md").read_text()
-    assert f"{count} bad-input and interruption cases" in readme, count
+    page = (ROOT / "docs" / "bad-input.md").read_text()
+    assert f"{count} bad-input and interruption cases" in page, count
     assert len(CASES) >= 150

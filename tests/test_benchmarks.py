@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Smoke test of every benchmark at the tiny preset, and of the README's generated section.
+"""Smoke test of every benchmark at the tiny preset, and of the generated tables (README, docs/benchmarks.md).
 
 Each benchmark runs end to end through ``python -m benchmarks NAME`` and must write its JSON and
 table; results go to a temporary directory so committed results are never overwritten. Speed is not

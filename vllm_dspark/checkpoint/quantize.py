@@ -7,7 +7,7 @@ and config.json gains one ``quantization_config`` with index-agnostic ``re:`` ta
 renumbers the draft layers after the target's). Tensors stream through in row chunks on
 ``--workers`` threads (default: one per core), so peak memory stays at a few chunks. A report
 (``quantization_report.json`` and ``.md``) gives params, sizes and weight SNR per module.
-No calibration, and SmoothQuant stays off: why is in the README ("Quantize and check a drafter").
+No calibration, and SmoothQuant stays off: why is in docs/tools/quantize.md.
 """
 
 from __future__ import annotations

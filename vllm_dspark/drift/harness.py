@@ -563,7 +563,7 @@ def run(spec: EvalSpec) -> dict[str, Any]:
     )
     return {
         "tool": "vllm-dspark eval",
-        "methodology": drift_pkg.__doc__,
+        "methodology": drift_pkg.METHOD,
         "config": {
             **asdict(spec),
             "variants": [variant_label(v) for v in spec.variants],

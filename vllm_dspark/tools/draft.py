@@ -3,7 +3,7 @@
 
 The input and output tensors (``aux_hidden_states``, ``context_positions``, ``anchor_ids``, optional
 ``context_mask`` / ``seeds`` / ``temperature``; ``draft_tokens``, ``logits``, ``confidences``,
-``block_positions``) are tabled once, in the README's "Random checkpoints and the reference drafter";
+``block_positions``) are tabled once, in docs/tools/draft.md;
 :data:`vllm_dspark.reference.INPUT_TENSORS` and ``OUTPUT_TENSORS`` are their definitions in code.
 """
 

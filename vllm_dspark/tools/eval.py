@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reference on identical inputs, with 95 % bootstrap CIs. Writes results.json, results.md and "
         "PNG plots into --out. The reference's logits are kept on disk under $TMPDIR while it runs "
         "(4.6 MB per block and regime at the real vocabulary).",
-        epilog=drift_pkg.__doc__,
+        epilog=drift_pkg.METHOD,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(

@@ -27,8 +27,7 @@ def build_parser() -> ArgumentParser:
         description="Quantize a K3 DSpark drafter checkpoint to a weight-only format, in the "
         "compressed-tensors format vLLM loads. Non-included tensors are copied bit-identical; a report "
         f"({REPORT_NAME}.json/.md) gives params quantized, sizes and weight SNR.",
-        epilog='No calibration; SmoothQuant is off on purpose (why: the README, "Quantize and check a '
-        'drafter").',
+        epilog="No calibration; SmoothQuant is off on purpose (why: docs/tools/quantize.md).",
     )
     # qstream's underscore spellings (--model_dir) still parse: ArgumentParser takes both.
     parser.add_argument(
