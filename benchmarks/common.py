@@ -241,7 +241,7 @@ def preset_drafter(path: Path | None, preset: str) -> Path:
 
     path = path or Path("/tmp/k3" if preset == "k3" else f"/tmp/vllm-dspark-{preset}")
     if not (path / "config.json").exists():
-        from vllm_dspark.checkpoint.make_random import make_random
+        from vllm_dspark.checkpoint_tools.make_random import make_random
 
         print(
             f"{path} does not exist: writing a random {preset} drafter there (make-random --seed 0)"

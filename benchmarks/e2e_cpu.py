@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: measurements(next(pending)), "baseline", pairs=len(runs), warmup=0
             )
         else:
-            from vllm_dspark.checkpoint.quantize import quantize_checkpoint
+            from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 
             fp8, out = Path(tmp) / "drafter-fp8", Path(tmp) / "out"
             quantize_checkpoint(PAIR / "drafter", fp8, "fp8", progress=False)

@@ -4,7 +4,7 @@
 Four ways to run one FP8 compressed-tensors linear, at batch 1 and at a 7-token block:
 
 - ``plugin``: vLLM's own ``CompressedTensorsW8A16Fp8`` scheme with the plugin's CPU kernel
-  (``vllm_dspark.cpu_w8a16``) — what the served drafter runs on CPU: dequantised once at load,
+  (``vllm_dspark.runtime.cpu_w8a16``) — what the served drafter runs on CPU: dequantised once at load,
   then vLLM's CPU GEMM dispatch;
 - ``bf16``: the same GEMM dispatch on the original BF16 weight (the baseline of every ratio);
 - ``dequant-bf16``: plain ``F.linear`` on the weight dequantised to BF16;
@@ -60,7 +60,7 @@ def _bf16_drafter_config(preset: str) -> Iterator[None]:
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 
     import vllm_dspark
-    from vllm_dspark.cpu_runtime import ensure_single_process_runtime
+    from vllm_dspark.tools.vllm_load import ensure_single_process_runtime
 
     vllm_dspark.register()
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,7 +82,7 @@ def _plugin_layer(w_fp8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.nn.Mo
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from vllm_dspark import cpu_w8a16
+    from vllm_dspark.runtime import cpu_w8a16
 
     cpu_w8a16.install()
     n, k = w_fp8.shape

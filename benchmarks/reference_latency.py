@@ -96,7 +96,7 @@ def _drafters(
         config, tensors = load_drafter_state_dict(model_dir, dtype=torch.bfloat16)
         embed, lm_head = load_target_heads(model_dir / TARGET_DIR, dtype=torch.bfloat16)
     else:
-        from vllm_dspark.checkpoint.make_random import random_drafter_tensors, random_lm_head
+        from vllm_dspark.checkpoint_tools.make_random import random_drafter_tensors, random_lm_head
 
         tensors = dict(random_drafter_tensors(config, seed=seed))
         embed, lm_head = tensors["embed_tokens.weight"], random_lm_head(config, seed=seed)

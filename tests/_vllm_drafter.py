@@ -7,7 +7,7 @@ lists what stands in for an engine on CPU: the V1-runner check and the target, r
 the drafter shares); here the plugin's serve-time ``doctor`` hook is also off
 (``VLLM_DSPARK_DOCTOR=0``), so that the model must refuse an unservable drafter on its own.
 
-The draft attention is :class:`vllm_dspark.attention.TorchLatentAttention` here, the CPU stand-in for
+The draft attention is :class:`vllm_dspark.runtime.attention.TorchLatentAttention` here, the CPU stand-in for
 vLLM's Kimi-K3 ``MultiHeadLatentAttention`` (fused CUDA kernels); the tests bind paged latent caches
 to it and pass metadata through vLLM's forward context, where the GPU layer finds its own.
 """
@@ -137,7 +137,7 @@ def run_block(served: Served, batch: Batch) -> torch.Tensor:
     """The speculator's query pass: ``[anchor, mask x (N-1)]`` per request, non-causal over its pages."""
     from vllm.forward_context import set_forward_context
 
-    from vllm_dspark.attention import LatentAttentionMetadata
+    from vllm_dspark.runtime.attention import LatentAttentionMetadata
 
     model, config = served.model, served.model.config
     n = config.block_size

@@ -73,7 +73,7 @@ def tiny_llama_target(tmp_path_factory: pytest.TempPathFactory):
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     """A random ``tiny``-preset drafter written by ``vllm-dspark make-random --seed 0``: config.json,
     shard + index, and the target's embedding / lm_head in ``target/``. Shared: copy it before editing."""
-    from vllm_dspark.checkpoint.make_random import make_random
+    from vllm_dspark.checkpoint_tools.make_random import make_random
 
     return make_random(tmp_path_factory.mktemp("tiny_checkpoint"), "tiny", seed=0, progress=False)
 

@@ -41,7 +41,7 @@ def build_models(root: Path) -> dict[str, Path]:
     """The trained pair (a 7-layer DeepSeek-V3 MLA target with Kimi-K3's 576-wide latent and its
     2-layer drafter, ``tests/data/pair``) linked into ``root``, and the drafter quantized to FP8
     there."""
-    from vllm_dspark.checkpoint.quantize import quantize_checkpoint
+    from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 
     for name in ("target", "drafter"):
         (root / name).symlink_to(PAIR / name, target_is_directory=True)

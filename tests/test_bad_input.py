@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def ckpts(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """bf16 (the shared tiny drafter), its fp8 / mxfp4 / nvfp4 builds, and a different model (seed 1)."""
-    from vllm_dspark.checkpoint.make_random import make_random
-    from vllm_dspark.checkpoint.quantize import quantize_checkpoint
+    from vllm_dspark.checkpoint_tools.make_random import make_random
+    from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("bad_input_ckpts")
     out = {"bf16": tiny_checkpoint}
@@ -1527,7 +1527,7 @@ def _wait_for(proc: subprocess.Popen, appeared: Callable[[], bool], timeout: flo
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ``small`` drafter: its quantization takes long enough (seconds) to be interrupted midway."""
-    from vllm_dspark.checkpoint.make_random import make_random
+    from vllm_dspark.checkpoint_tools.make_random import make_random
 
     return make_random(tmp_path_factory.mktemp("small") / "small", "small", progress=False)
 

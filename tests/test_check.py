@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from vllm_dspark.checkpoint.check import check_checkpoint
 from vllm_dspark.checkpoint.layout import FP8_RECIPE
-from vllm_dspark.checkpoint.make_random import make_random
-from vllm_dspark.checkpoint.quantize import quantize_checkpoint
+from vllm_dspark.checkpoint_tools.make_random import make_random
+from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 from vllm_dspark.tools.check import main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -35,7 +35,7 @@ def drafter() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_dspark.checkpoint.make_random import make_random
+    from vllm_dspark.checkpoint_tools.make_random import make_random
 
     return make_random(tmp_path_factory.mktemp("doctor") / "tiny", "tiny", progress=False)
 
@@ -857,7 +857,7 @@ def test_vllm_itself_refuses_dspark_draft_topk_for_the_k3_drafter(
 
 @pytest.fixture(scope="module")
 def fp8_drafter_dir(drafter_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_dspark.checkpoint.quantize import quantize_checkpoint
+    from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("doctor-fp8") / "tiny-fp8"
     quantize_checkpoint(drafter_dir, out, "fp8", progress=False)

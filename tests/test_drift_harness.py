@@ -21,7 +21,7 @@ from vllm_dspark.tools.eval import main, parse_position
 
 @pytest.fixture(scope="module")
 def small_checkpoint(tmp_path_factory):
-    from vllm_dspark.checkpoint.make_random import make_random
+    from vllm_dspark.checkpoint_tools.make_random import make_random
 
     return make_random(tmp_path_factory.mktemp("small_checkpoint"), "small", seed=0, progress=False)
 

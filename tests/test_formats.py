@@ -12,9 +12,9 @@ from compressed_tensors.compressors.mx_utils import decompress_mx_scale
 
 from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import FP8_RECIPE, checkpoint_modules, fused_module_groups
-from vllm_dspark.checkpoint.make_random import random_tensor
 from vllm_dspark.checkpoint.presets import preset_config
 from vllm_dspark.checkpoint.quant_plan import declared
+from vllm_dspark.checkpoint_tools.make_random import random_tensor
 
 PACKED_MODULES_MAPPING = {
     "gate_up_proj": ["gate_proj", "up_proj"],

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The package's layers, as the README's code map draws them: each module imports only from the
-layers below it (or its own), and nothing imports in a cycle. Read from the source, not by importing."""
+"""The package's layers are its folders: each module imports only from its own layer or those below,
+nothing outside ``tools`` imports it, and nothing imports in a cycle. Read from the source, not by importing."""
 
 from __future__ import annotations
 
 import ast
-import fnmatch
+import shutil
 import sys
 from pathlib import Path
 
@@ -13,32 +13,33 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "vllm_dspark"
 
-# layer -> module patterns; the first layer with a matching pattern owns a module.
+# layer -> its folders under vllm_dspark/ ("" is the package root's own modules), lowest first.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "leaf": ("version", "findings", "fields", "config", "safety", "finite", "compat", "ops", "ops.*"),
-    "contract": ("checkpoint", "checkpoint.layout", "checkpoint.formats", "checkpoint.st_io",
-                 "checkpoint.presets"),
-    "loading": ("checkpoint.store", "checkpoint.quant_plan", "checkpoint.check"),
-    "tools": ("checkpoint.quantize", "checkpoint.make_random", "tools", "tools.*", "pair", "pair.*", "drift",
-              "drift.*", "doctor.cli"),
-    "plugin": ("", "model", "attention", "attention_*", "cpu_*", "doctor", "doctor.*"),
-    "reference": ("reference", "reference.*"),
-}  # fmt: skip
-# What each layer may import from the package.
+    "math": ("ops",),
+    "core": ("",),  # config.json's fields and config, findings, safety, finite, version, compat
+    "checkpoint": ("checkpoint",),  # the on-disk contract and loading
+    "reference": ("reference",),
+    "runtime": ("runtime", "doctor", "cpu_serving"),  # what vLLM loads
+    "tools": ("tools", "checkpoint_tools", "drift", "pair"),
+}
+# What each layer may import from the package: its own and those below (the reference sits beside
+# the runtime, not under it); only tools import tools.
 ALLOWED: dict[str, set[str]] = {
-    "leaf": {"leaf"},
-    "contract": {"leaf", "contract"},
-    "loading": {"leaf", "contract", "loading"},
-    "plugin": {"leaf", "contract", "loading", "plugin"},
-    "reference": {"leaf", "contract", "loading", "reference"},
+    "math": {"math"},
+    "core": {"math", "core"},
+    "checkpoint": {"math", "core", "checkpoint"},
+    "reference": {"math", "core", "checkpoint", "reference"},
+    "runtime": {"math", "core", "checkpoint", "runtime"},
     "tools": set(LAYERS),
 }
+# The entry point, vllm_dspark/__init__.py (register()), may reach the runtime, never the tools.
+ENTRY_ALLOWED = set(LAYERS) - {"tools"}
 # The pure math runs anywhere: the standard library and torch only.
 OPS_THIRD_PARTY = {"torch", "numpy"}
 
 
-def _name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE).with_suffix("").parts
+def _name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package).with_suffix("").parts
     return ".".join(p for p in parts if p != "__init__")
 
 
@@ -69,37 +70,79 @@ def _imports(tree: ast.AST, *, skip_type_checking: bool) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = {_name(p): p for p in PACKAGE.rglob("*.py")}
+def _folder(path: Path, package: Path) -> str:
+    """The folder under the package a module file lies in ("" for the root's own modules)."""
+    parts = path.relative_to(package).parts
+    return parts[0] if len(parts) > 1 else ""
+
+
+def _graph(package: Path = PACKAGE) -> tuple[dict[str, set[str]], dict[str, str], set[str]]:
+    """``(module -> package modules it imports, module -> folder, modules importing test code)``."""
+    paths = {_name(p, package): p for p in package.rglob("*.py")}
     graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
+    test_code = set()
+    for name, path in paths.items():
         deps = set()
         for imported in _imports(ast.parse(path.read_text()), skip_type_checking=False):
+            if imported == "tests" or imported.startswith("tests."):
+                test_code.add(name)
             if imported == "vllm_dspark" or imported.startswith("vllm_dspark."):
                 dotted = imported.removeprefix("vllm_dspark").removeprefix(".")
                 # `from vllm_dspark.x import y` names module x.y when that is a module, else x
-                if dotted in modules:
+                if dotted in paths:
                     deps.add(dotted)
         deps.discard(name)
         graph[name] = deps
-    return graph
+    return graph, {n: _folder(p, package) for n, p in paths.items()}, test_code
 
 
-def _layer(module: str) -> str:
-    for layer, patterns in LAYERS.items():
-        if any(fnmatch.fnmatchcase(module, p) for p in patterns):
+def _layer(folder: str) -> str:
+    for layer, folders in LAYERS.items():
+        if folder in folders:
             return layer
-    raise AssertionError(f"vllm_dspark.{module} belongs to no layer: add it to LAYERS")
+    raise AssertionError(f"vllm_dspark/{folder}/ belongs to no layer: add it to LAYERS")
 
 
-GRAPH = _graph()
+def upward_imports(package: Path = PACKAGE) -> list[str]:
+    """Every import from a layer its importer may not reach, as ``importer (layer) -> imported (layer)``."""
+    graph, folders, _ = _graph(package)
+    wrong = []
+    for module, deps in sorted(graph.items()):
+        allowed = ENTRY_ALLOWED if module == "" else ALLOWED[_layer(folders[module])]
+        for dep in sorted(deps):
+            if _layer(folders[dep]) not in allowed:
+                wrong.append(
+                    f"vllm_dspark.{module} ({_layer(folders[module])}) -> vllm_dspark.{dep} "
+                    f"({_layer(folders[dep])})"
+                )
+    return wrong
 
 
-@pytest.mark.parametrize("module", sorted(GRAPH))
-def test_a_module_imports_only_from_its_own_layer_or_below(module: str) -> None:
-    layer = _layer(module)
-    wrong = sorted(d for d in GRAPH[module] if _layer(d) not in ALLOWED[layer])
-    assert not wrong, f"vllm_dspark.{module} ({layer}) imports {wrong}, from layers above it"
+GRAPH, FOLDERS, TEST_CODE_IMPORTERS = _graph()
+
+
+def test_every_folder_is_a_layer() -> None:
+    for folder in set(FOLDERS.values()):
+        _layer(folder)
+
+
+def test_no_module_imports_from_a_layer_above_it() -> None:
+    assert not upward_imports()
+
+
+def test_a_planted_upward_import_is_caught(tmp_path: Path) -> None:
+    """The check is live: the checkpoint layer importing the tools' CLI fails it."""
+    package = tmp_path / "vllm_dspark"
+    shutil.copytree(PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__", "data"))
+    layout = package / "checkpoint" / "layout.py"
+    layout.write_text(layout.read_text() + "\nfrom vllm_dspark.tools.cli import main\n")
+    assert upward_imports(package) == [
+        "vllm_dspark.checkpoint.layout (checkpoint) -> vllm_dspark.tools.cli (tools)"
+    ]
+
+
+def test_the_package_never_imports_test_code() -> None:
+    assert not TEST_CODE_IMPORTERS
 
 
 def test_nothing_imports_in_a_cycle() -> None:
@@ -122,7 +165,7 @@ def test_nothing_imports_in_a_cycle() -> None:
             visit(module, [module])
 
 
-@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m == "ops" or m.startswith("ops.")))
+@pytest.mark.parametrize("module", sorted(m for m, f in FOLDERS.items() if f == "ops"))
 def test_the_pure_math_needs_only_torch(module: str) -> None:
     path = PACKAGE.joinpath(*module.split(".")).with_suffix(".py")
     if not path.exists():

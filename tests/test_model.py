@@ -100,8 +100,8 @@ def test_built_by_vllm_dspark_loader_with_target_numbering_and_shared_heads(serv
     )
     from vllm.model_executor.models.registry import ModelRegistry
 
-    from vllm_dspark.attention import TorchLatentAttention
-    from vllm_dspark.model import K3DSparkForCausalLM
+    from vllm_dspark.runtime.attention import TorchLatentAttention
+    from vllm_dspark.runtime.model import K3DSparkForCausalLM
 
     model, target = served.model, served.target
     draft_config = served.vllm_config.speculative_config.draft_model_config
@@ -303,7 +303,7 @@ def test_target_of_another_depth_is_refused(
 
 
 def test_not_a_standalone_model() -> None:
-    from vllm_dspark.model import K3DSparkForCausalLM
+    from vllm_dspark.runtime.model import K3DSparkForCausalLM
 
     with pytest.raises(
         ValueError, match=r"speculative drafter, not a standalone model.*method': 'dspark'"
@@ -319,7 +319,7 @@ def test_gpu_attention_layer_accepts_what_the_drafter_passes() -> None:
 
     from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
-    from vllm_dspark.attention_cuda import K3DSparkMLA
+    from vllm_dspark.runtime.attention_cuda import K3DSparkMLA
 
     params = inspect.signature(MultiHeadLatentAttention.__init__).parameters
     passed = {

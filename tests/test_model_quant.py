@@ -4,7 +4,7 @@
 The FP8 checkpoint is made by this project's quantizer (``vllm-dspark quantize --quant-format fp8``,
 the published recipe: gate/up/down, o_proj, q_b_proj, context_proj) from the random ``tiny`` drafter,
 and loaded through vLLM's dspark loader as in ``test_model.py`` (same CPU stand-in attention). FP8
-weight-only linears run on :mod:`vllm_dspark.cpu_w8a16`, the plugin's CPU kernel: vLLM has none.
+weight-only linears run on :mod:`vllm_dspark.runtime.cpu_w8a16`, the plugin's CPU kernel: vLLM has none.
 
 Refusals happen while the model is built, before any weight is read, so the refusal variants
 only edit config.json next to the FP8 shards.
@@ -26,7 +26,7 @@ FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
-    from vllm_dspark.checkpoint.quantize import quantize_checkpoint
+    from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("fp8") / "tiny-fp8"
     quantize_checkpoint(tiny_checkpoint, out, "fp8", progress=False)
@@ -67,7 +67,7 @@ def test_fp8_weight_only_on_exactly_the_six_kinds_with_one_shared_quant_config(
     )
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    from vllm_dspark.cpu_w8a16 import CPUDequantFP8W8A16LinearKernel
+    from vllm_dspark.runtime.cpu_w8a16 import CPUDequantFP8W8A16LinearKernel
 
     model = served_fp8.model
     assert set(FP8_RECIPE) == {
@@ -154,7 +154,7 @@ def test_cpu_kernel_is_registered_and_refuses_block_scales(served_fp8: Served) -
     from vllm.platforms import PlatformEnum
 
     from vllm_dspark import compat
-    from vllm_dspark.cpu_w8a16 import CPUDequantFP8W8A16LinearKernel, install
+    from vllm_dspark.runtime.cpu_w8a16 import CPUDequantFP8W8A16LinearKernel, install
 
     install()  # idempotent
     assert (
@@ -279,7 +279,7 @@ def test_unservable_quantization_is_refused_with_module_and_fix(
 def test_one_info_line_names_each_quantized_linears_kernel(
     tiny_mla_target: Path, fp8_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm_dspark import model as model_module
+    from vllm_dspark.runtime import model as model_module
 
     lines: list[str] = []
     monkeypatch.setattr(model_module.logger, "info", lambda fmt, *args: lines.append(fmt % args))

@@ -30,7 +30,7 @@ def test_vllm_plugin_loader_resolves_the_architecture_to_this_package() -> None:
 
     load_general_plugins()
     cls = ModelRegistry._try_load_model_cls("K3DSparkModel")
-    from vllm_dspark.model import K3DSparkForCausalLM
+    from vllm_dspark.runtime.model import K3DSparkForCausalLM
 
     assert cls is K3DSparkForCausalLM
     assert "K3DSparkModel" in ModelRegistry.get_supported_archs()
@@ -45,7 +45,7 @@ logging.basicConfig(level=logging.INFO)  # a bare interpreter: vLLM configures l
 from vllm.plugins import load_general_plugins
 import vllm_dspark
 load_general_plugins(); vllm_dspark.register(); vllm_dspark.register()
-assert "vllm_dspark.model" not in sys.modules, "register() imported the model module eagerly"
+assert "vllm_dspark.runtime.model" not in sys.modules, "register() imported the model module eagerly"
 assert not torch.cuda.is_initialized()
 from vllm import ModelRegistry
 print("ARCH-OK", "K3DSparkModel" in ModelRegistry.get_supported_archs())
@@ -125,7 +125,7 @@ def test_speculative_config_of_a_drafter_directory_resolves_to_this_package(
 
     from vllm_dspark.checkpoint.presets import preset_config_json
     from vllm_dspark.config import K3DSparkConfig
-    from vllm_dspark.model import K3DSparkForCausalLM
+    from vllm_dspark.runtime.model import K3DSparkForCausalLM
 
     drafter = tmp_path / dirname
     drafter.mkdir()
@@ -157,7 +157,7 @@ def test_speculative_config_of_a_drafter_directory_resolves_to_this_package(
 def test_the_drafter_class_declares_its_speculator_where_vllm_reads_it() -> None:
     """0.34 serves a draft class that declares no speculator config as DeepSeek-V4's drafter."""
     from vllm_dspark.compat import SPECULATOR_CONFIG_CLASS
-    from vllm_dspark.model import K3DSparkForCausalLM
+    from vllm_dspark.runtime.model import K3DSparkForCausalLM
 
     if _declares_a_speculator():
         assert K3DSparkForCausalLM.speculator_config_class is SPECULATOR_CONFIG_CLASS.resolve()
@@ -209,7 +209,7 @@ def test_the_installed_plugin_needs_nothing_vllm_lacks(tmp_path, tiny_mla_target
 
     from packaging.requirements import Requirement
 
-    from vllm_dspark.checkpoint.make_random import make_random
+    from vllm_dspark.checkpoint_tools.make_random import make_random
 
     for line in requires("vllm_dspark") or ():
         req = Requirement(line)

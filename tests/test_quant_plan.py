@@ -26,8 +26,8 @@ from vllm_dspark.checkpoint.layout import (
     runtime_name,
     tensor_shapes,
 )
-from vllm_dspark.checkpoint.quantize import quantize_checkpoint
 from vllm_dspark.checkpoint.store import load_config, load_drafter_state_dict, resolve_checkpoint
+from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 from vllm_dspark.doctor import checks
 from vllm_dspark.findings import Finding
 
@@ -197,7 +197,7 @@ def test_4bit_builds_resolve_to_the_recipe_at_vllm_runtime_names(
         CompressedTensorsConfig,
     )
 
-    from vllm_dspark.model import PACKED_MODULES_MAPPING
+    from vllm_dspark.runtime.model import PACKED_MODULES_MAPPING
 
     model_dir = encodings(fmt, name)
     report = check_checkpoint(model_dir)

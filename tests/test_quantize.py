@@ -16,10 +16,10 @@ from safetensors import safe_open
 from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.check import check_checkpoint
 from vllm_dspark.checkpoint.layout import FP8_RECIPE, QUANTIZABLE_KINDS, REPORT_NAME
-from vllm_dspark.checkpoint.make_random import make_random
 from vllm_dspark.checkpoint.quant_plan import declared
-from vllm_dspark.checkpoint.quantize import quantize_checkpoint
 from vllm_dspark.checkpoint.store import load_config
+from vllm_dspark.checkpoint_tools.make_random import make_random
+from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 from vllm_dspark.tools import cli
 from vllm_dspark.tools.quantize import main
 

@@ -8,8 +8,12 @@ import pytest
 import torch
 
 import vllm_dspark.reference.drafter as reference
-from vllm_dspark.checkpoint.make_random import random_drafter_tensors, random_lm_head, random_tensor
 from vllm_dspark.checkpoint.presets import preset_config
+from vllm_dspark.checkpoint_tools.make_random import (
+    random_drafter_tensors,
+    random_lm_head,
+    random_tensor,
+)
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.ops.sampling import markov_rollout
 from vllm_dspark.reference.drafter import ReferenceDrafter

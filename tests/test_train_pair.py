@@ -165,7 +165,7 @@ def test_committed_pair_matches_its_manifest() -> None:
 
 
 def test_committed_pair_configs_agree() -> None:
-    from vllm_dspark.checkpoint.make_random import like_config_json
+    from vllm_dspark.checkpoint_tools.make_random import like_config_json
 
     target = json.loads((PAIR / "target" / "config.json").read_text())
     drafter = json.loads((PAIR / "drafter" / "config.json").read_text())

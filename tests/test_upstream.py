@@ -31,7 +31,7 @@ TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 def _torch_mla(*, config, cache_config, quant_config, prefix, **_):
     """The plugin's torch MLA in place of vLLM's CUDA-only one, with what the in-tree context path reads."""
-    from vllm_dspark.attention import TorchLatentAttention
+    from vllm_dspark.runtime.attention import TorchLatentAttention
 
     attn = TorchLatentAttention(
         config=config, cache_config=cache_config, quant_config=quant_config, prefix=prefix
@@ -195,7 +195,7 @@ def test_the_cuda_context_path_is_upstreams_code() -> None:
 
 @pytest.fixture(scope="module")
 def fp8_builds(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> dict[str, Path]:
-    from vllm_dspark.checkpoint.quantize import quantize_checkpoint
+    from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("fp8")
     quantize_checkpoint(tiny_checkpoint, root / "fp8", "fp8", progress=False)
@@ -214,7 +214,7 @@ def test_in_tree_class_fails_to_load_the_projects_fp8_encoding(
     gate_up_proj matches no target and is built unquantized; its FP8 shards then have nowhere to go."""
     from vllm.model_executor.models.utils import get_draft_quant_config
 
-    from vllm_dspark.cpu_w8a16 import install
+    from vllm_dspark.runtime.cpu_w8a16 import install
     from vllm_dspark.tools.vllm_load import engine_config
 
     quant_config = get_draft_quant_config(engine_config(tiny_mla_target, fp8_builds["regex"]))
@@ -243,7 +243,7 @@ def test_in_tree_class_silently_quantizes_the_bf16_kv_b_proj(
 ) -> None:
     """``Linear`` + checkpoint-name ignores: its ignores miss the runtime names, so the BF16 kv_b_proj is
     built FP8 and loaded from BF16 weights without a scale; the plugin keeps it BF16."""
-    from vllm_dspark.cpu_w8a16 import install
+    from vllm_dspark.runtime.cpu_w8a16 import install
 
     install()
     with pytest.MonkeyPatch.context() as mp, _in_tree_class(mp):
@@ -278,6 +278,6 @@ print(cls.__module__, [c.__module__ for c in cls.__mro__[1:3]])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     before, after = out.stdout.strip().splitlines()[-2:]
-    assert before == "vllm_dspark.model"
+    assert before == "vllm_dspark.runtime.model"
     assert "specialized_decode.drafter.model" in after
     assert "'vllm.models.kimi_k3.nvidia.dspark_mla'" in after

@@ -27,10 +27,10 @@ from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
 from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
 from vllm_dspark.checkpoint.presets import preset_config
-from vllm_dspark.cpu_runtime import ensure_single_process_runtime
 from vllm_dspark.ops.rope import RotaryEmbedding, rotate_pe, softmax_scale
 from vllm_dspark.reference.drafter import MultiHeadLatentAttention as ReferenceMLA
 from vllm_dspark.reference.drafter import ReferenceDrafter
+from vllm_dspark.tools.vllm_load import ensure_single_process_runtime
 
 K3_ROPE = preset_config("k3").rope_parameters
 ROPES = {

@@ -12,7 +12,7 @@ from vllm_dspark.compat import check_vllm_version, fix_cpu_rotary_embedding_on_i
 from vllm_dspark.fields import ARCHITECTURE as ARCHITECTURE
 from vllm_dspark.version import __version__ as __version__
 
-MODEL_CLASS_PATH = "vllm_dspark.model:K3DSparkForCausalLM"
+MODEL_CLASS_PATH = "vllm_dspark.runtime.model:K3DSparkForCausalLM"
 
 _registered = False
 

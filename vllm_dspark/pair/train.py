@@ -304,7 +304,7 @@ def drafter_loss(drafter, target, ids: torch.Tensor, anchors: torch.Tensor) -> d
 
 def build_drafter(target, mask_token_id: int, sizes: PairSizes, seed: int):
     """A trainable FP32 :class:`ReferenceDrafter` like ``target``; its shared heads stay frozen."""
-    from vllm_dspark.checkpoint.make_random import like_config_json, random_drafter_tensors
+    from vllm_dspark.checkpoint_tools.make_random import like_config_json, random_drafter_tensors
     from vllm_dspark.config import K3DSparkConfig
     from vllm_dspark.reference.drafter import ReferenceDrafter
 
@@ -477,7 +477,7 @@ def train_pair(
     """Train the pair into ``out_dir`` (built beside it, renamed into place); returns the log."""
     from transformers import DeepseekV3ForCausalLM
 
-    from vllm_dspark.checkpoint.make_random import save_drafter_with_heads
+    from vllm_dspark.checkpoint_tools.make_random import save_drafter_with_heads
     from vllm_dspark.reference.drafter import ReferenceDrafter
     from vllm_dspark.safety import check_output, refuse_nonempty, staged
 

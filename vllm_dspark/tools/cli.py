@@ -65,7 +65,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "measure a drafter's acceptance length against its target, per format",
     ),
     "doctor": (
-        "vllm_dspark.doctor.cli",
+        "vllm_dspark.tools.doctor",
         "check a --speculative-config against the drafter and this machine",
     ),
     "serve-cpu": (

@@ -48,7 +48,7 @@ def build_parser() -> ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from vllm_dspark.checkpoint.make_random import make_random, make_random_like
+    from vllm_dspark.checkpoint_tools.make_random import make_random, make_random_like
 
     start = time.perf_counter()
     if args.like is not None:

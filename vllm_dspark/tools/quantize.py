@@ -66,8 +66,8 @@ def build_parser() -> ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from vllm_dspark.checkpoint.quantize import quantize_checkpoint
     from vllm_dspark.checkpoint.store import human_bytes, human_params
+    from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 
     report = quantize_checkpoint(
         args.model_dir,

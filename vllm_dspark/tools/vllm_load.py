@@ -24,6 +24,29 @@ from vllm_dspark.checkpoint.store import load_target_heads, write_target_config
 from vllm_dspark.compat import configs_without_an_engine
 
 
+def ensure_single_process_runtime() -> None:
+    """A world of one (TP=1, PP=1, gloo) and the CPU runner's accelerator no-ops; idempotent."""
+    from vllm.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
+    from vllm.utils.network_utils import get_open_port
+
+    from vllm_dspark.compat import set_torch_accelerator_to_noop
+
+    set_torch_accelerator_to_noop()
+    if not model_parallel_is_initialized():
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}",
+        )
+        initialize_model_parallel(1, 1)
+
+
 def engine_config(
     target_dir: str | Path,
     draft_dir: str | Path,
@@ -76,7 +99,7 @@ class TargetHeads(nn.Module):
 class Served:
     """A drafter loaded by vLLM's ``load_dspark_model`` next to the target heads it shares."""
 
-    model: Any  # vllm_dspark.model.K3DSparkForCausalLM
+    model: Any  # vllm_dspark.runtime.model.K3DSparkForCausalLM
     vllm_config: Any
     target: TargetHeads
 
@@ -101,7 +124,6 @@ def load_with_vllm(
 
     import vllm_dspark
     from vllm_dspark.checkpoint.store import load_config, stored_tensors
-    from vllm_dspark.cpu_runtime import ensure_single_process_runtime
 
     vllm_dspark.register()
     draft_dir = Path(draft_dir)

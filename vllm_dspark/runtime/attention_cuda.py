@@ -2,8 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The K3 DSpark draft layers' attention in an engine: vLLM's Kimi-K3 MLA layer.
 
-Imported by :func:`vllm_dspark.attention.build_latent_attention` only where an engine can run it (CUDA,
-ROCm, or CPU with Triton through :mod:`vllm_dspark.attention_cpu`): the Kimi-K3 MLA module pulls in
+Imported by :func:`vllm_dspark.runtime.attention.build_latent_attention` only where an engine can run it (CUDA,
+ROCm, or CPU with Triton through :mod:`vllm_dspark.runtime.attention_cpu`): the Kimi-K3 MLA module pulls in
 its fused-kernel wrappers and cute-dsl at module level.
 """
 

@@ -2,10 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """MLA attention of the K3 DSpark draft layers, chosen by platform.
 
-CUDA/ROCm: vLLM's own Kimi-K3 ``MultiHeadLatentAttention`` (:mod:`vllm_dspark.attention_cuda`); its
+CUDA/ROCm: vLLM's own Kimi-K3 ``MultiHeadLatentAttention`` (:mod:`vllm_dspark.runtime.attention_cuda`); its
 576-wide latent KV spec puts the draft layers in the target's KV-cache group. CPU with Triton (Model
 Runner V2 under its interpreter): the same layer with torch stand-ins for the CUDA decode epilogue
-(:mod:`vllm_dspark.attention_cpu`). Without Triton, :class:`TorchLatentAttention` takes its place for
+(:mod:`vllm_dspark.runtime.attention_cpu`). Without Triton, :class:`TorchLatentAttention` takes its place for
 loading and testing outside an engine: same submodule names, same math in torch over a paged latent
 cache of the same layout, bound with :meth:`TorchLatentAttention.bind_kv_cache`.
 """
@@ -271,12 +271,12 @@ def build_latent_attention(
     if current_platform.is_cpu() and HAS_TRITON:
         # A CPU engine with Triton (its interpreter) runs vLLM's dspark speculator: the GPU layer
         # on TRITON_MLA. Without Triton no CPU engine can, and the torch layer serves loading.
-        from vllm_dspark.attention_cpu import K3DSparkCPUMLA
+        from vllm_dspark.runtime.attention_cpu import K3DSparkCPUMLA
 
         return K3DSparkCPUMLA(**_k3_mla_arguments(config, cache_config, quant_config, prefix))
     if current_platform.is_cuda_alike():
         # Imported here: the Kimi-K3 MLA module pulls in CUDA kernels and cute-dsl.
-        from vllm_dspark.attention_cuda import K3DSparkMLA
+        from vllm_dspark.runtime.attention_cuda import K3DSparkMLA
 
         return K3DSparkMLA(**_k3_mla_arguments(config, cache_config, quant_config, prefix))
     return TorchLatentAttention(

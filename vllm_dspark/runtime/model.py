@@ -42,7 +42,6 @@ from vllm.model_executor.models.utils import (
 from vllm.models.common.ops.fused_allreduce_rms_norm import fused_allreduce_rms_norm
 from vllm.platforms import current_platform
 
-from vllm_dspark.attention import build_latent_attention
 from vllm_dspark.checkpoint.layout import FUSED_GROUPS, checkpoint_modules
 from vllm_dspark.checkpoint.quant_plan import (
     QuantPlan,
@@ -55,6 +54,7 @@ from vllm_dspark.compat import bind_upstream_context_kv, dspark_speculator_confi
 from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.finite import invalid_scale_count
 from vllm_dspark.ops.rope import rotate_pe
+from vllm_dspark.runtime.attention import build_latent_attention
 
 if TYPE_CHECKING:
     from vllm.config import CacheConfig
@@ -140,7 +140,7 @@ def _draft_quant_config(
         return None, plan
     if current_platform.is_cpu():
         # vLLM has no CPU kernel for FP8 weight-only linears: add ours before any layer picks one.
-        from vllm_dspark.cpu_w8a16 import install
+        from vllm_dspark.runtime.cpu_w8a16 import install
 
         install()
     quant_config = CompressedTensorsConfig.from_config(normalized)

@@ -2,7 +2,7 @@
 """The K3 DSpark draft layers' attention inside a CPU engine: the GPU layer on TRITON_MLA's metadata.
 
 ``dspark`` runs only in Model Runner V2, which on CPU needs Triton (under its interpreter). There the
-draft layers are the GPU's :class:`~vllm_dspark.attention_cuda.K3DSparkMLA` with three substitutions:
+draft layers are the GPU's :class:`~vllm_dspark.runtime.attention_cuda.K3DSparkMLA` with three substitutions:
 the backend is :class:`TorchMLABackend` (TRITON_MLA's metadata builder, which flattens the
 non-causal block into decode rows, with decode attention in torch; vLLM's CPU MLA backends cannot
 take the block), the decode epilogue (RoPE, query concat, latent insert) is torch instead of a fused
@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAImpl
 
-from vllm_dspark.attention_cuda import K3DSparkMLA
 from vllm_dspark.compat import k3_mla_backend, keep_weight_on_cpu
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.ops.rope import rotate_pe
+from vllm_dspark.runtime.attention_cuda import K3DSparkMLA
 
 
 class TorchMLAImpl(TritonMLAImpl):
