@@ -406,9 +406,9 @@ def test_make_random_like_takes_the_targets_geometry_and_heads(
     """``make-random --like``: an MLA target's sizes and its own heads; a non-MLA target is one line."""
     import json
 
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
-    from vllm_dspark.checkpoint.store import load_config, load_target_heads
+    from vllm_dspark.checkpoint.store import load_config, load_target_heads, mla_target_config
     from vllm_dspark.checkpoint_tools.make_random import aux_layer_ids
     from vllm_dspark.tools.cli import main as cli_main
 
@@ -416,24 +416,10 @@ def test_make_random_like_takes_the_targets_geometry_and_heads(
         return cli_main(["make-random", *argv])
 
     torch.manual_seed(0)
-    config = DeepseekV3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=8,
-        first_k_dense_replace=8,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
-        v_head_dim=32,
-        n_group=1,
-        topk_group=1,
-        tie_word_embeddings=False,
-    )
+    geometry = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+                "num_attention_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+                "qk_nope_head_dim": 16, "v_head_dim": 32}  # fmt: skip
+    config = mla_target_config(geometry, moe_intermediate_size=32)
     DeepseekV3ForCausalLM(config).save_pretrained(tmp_path / "target")
     assert (
         main(

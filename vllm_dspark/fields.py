@@ -19,17 +19,25 @@ MODEL_TYPE = "k3_dspark"
 
 # Fields a drafter's config.json must state: DeepseekV3Config would otherwise default them to its own
 # (MoE model's) values, and the drafter would fail with dozens of shape errors, or load wrong.
-REQUIRED_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
+# The MLA shape, which the draft's latent pages share with the target's cache.
+MLA_FIELDS = (
     "num_attention_heads",
     "q_lora_rank",
     "kv_lora_rank",
     "qk_nope_head_dim",
     "qk_rope_head_dim",
     "v_head_dim",
+)
+# A model's geometry: what the tensors' shapes follow from.
+GEOMETRY_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
     "vocab_size",
+    *MLA_FIELDS,
+)
+REQUIRED_FIELDS = (
+    *GEOMETRY_FIELDS,
     "max_position_embeddings",
     "rms_norm_eps",
     "target_hidden_size",
@@ -164,17 +172,7 @@ def validate_config(c: Any) -> None:
                 "is set, but the MLA DSpark drafter has no such variant",
                 f"remove {field} or set it to false",
             )
-    for field in (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "kv_lora_rank",
-        "qk_nope_head_dim",
-        "qk_rope_head_dim",
-        "v_head_dim",
-        "vocab_size",
-    ):
+    for field in (f for f in GEOMETRY_FIELDS if f != "q_lora_rank"):  # its own fix, below
         value = getattr(c, field, None)
         if not isinstance(value, int) or value < 1:
             _fail(

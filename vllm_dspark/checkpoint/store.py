@@ -34,11 +34,19 @@ from vllm_dspark.checkpoint.st_io import (
     read_header,
     read_tensor,
 )
-from vllm_dspark.fields import DrafterFields, check_identity, parse_fields
+from vllm_dspark.fields import (
+    GEOMETRY_FIELDS,
+    MLA_FIELDS,
+    DrafterFields,
+    check_identity,
+    parse_fields,
+)
 from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.finite import invalid_scale_count
 
 if TYPE_CHECKING:
+    from transformers import DeepseekV3Config
+
     from vllm_dspark.config import K3DSparkConfig
 
 CONFIG_NAME = "config.json"
@@ -486,38 +494,52 @@ def load_target_heads(
 # ----- writing -----
 
 
+def mla_target_config(geometry: Mapping[str, int], **overrides: Any) -> DeepseekV3Config:
+    """A DeepSeek-V3 (MLA) target config of ``geometry`` (every ``GEOMETRY_FIELDS`` entry): dense,
+    untied heads, unless ``overrides`` say otherwise."""
+    from transformers import DeepseekV3Config
+
+    fields = {
+        "moe_intermediate_size": geometry["intermediate_size"],
+        "first_k_dense_replace": geometry["num_hidden_layers"],
+        "num_key_value_heads": geometry["num_attention_heads"],
+        "n_group": 1,
+        "topk_group": 1,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    }
+    config = DeepseekV3Config(
+        **{**fields, **{f: geometry[f] for f in GEOMETRY_FIELDS}, **overrides}
+    )
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    return config
+
+
 def write_target_config(drafter: K3DSparkConfig, out_dir: str | Path) -> Path:
     """A DeepSeek-V3 (MLA) target config.json with the geometry ``drafter`` expects of its target.
 
     Hidden size, depth and vocabulary come from the drafter's ``target_*`` fields; the MLA shape is
     the drafter's own, so the target's latent cache and the draft's agree (576 for Kimi-K3).
     """
-    from transformers import DeepseekV3Config
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = DeepseekV3Config(
-        vocab_size=drafter.vocab_size,
-        hidden_size=drafter.target_hidden_size,
-        intermediate_size=2 * drafter.target_hidden_size,
-        moe_intermediate_size=drafter.target_hidden_size // 2,
-        num_hidden_layers=drafter.target_num_hidden_layers,
-        num_attention_heads=drafter.num_attention_heads,
-        num_key_value_heads=drafter.num_attention_heads,
-        q_lora_rank=drafter.q_lora_rank,
-        kv_lora_rank=drafter.kv_lora_rank,
-        qk_rope_head_dim=drafter.qk_rope_head_dim,
-        qk_nope_head_dim=drafter.qk_nope_head_dim,
-        v_head_dim=drafter.v_head_dim,
+    hidden = drafter.target_hidden_size
+    geometry = {
+        "vocab_size": drafter.vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": drafter.target_num_hidden_layers,
+        **{f: getattr(drafter, f) for f in MLA_FIELDS},
+    }
+    # A MoE target after its first layer, as Kimi-K3 is.
+    config = mla_target_config(
+        geometry,
+        moe_intermediate_size=hidden // 2,
         n_routed_experts=4,
         n_shared_experts=1,
         num_experts_per_tok=2,
         first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        max_position_embeddings=4096,
     )
-    config.architectures = ["DeepseekV3ForCausalLM"]
     config.save_pretrained(out_dir)
     return out_dir
 

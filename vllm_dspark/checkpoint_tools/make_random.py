@@ -36,6 +36,7 @@ from vllm_dspark.checkpoint.store import (
     write_target_config,
 )
 from vllm_dspark.config import K3DSparkConfig
+from vllm_dspark.fields import GEOMETRY_FIELDS, MLA_FIELDS
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, refuse_nonempty, staged
 
@@ -195,17 +196,7 @@ def aux_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
 
 
 # The target config fields a drafter must match: the draft layers' latent lives in its MLA cache.
-_TARGET_FIELDS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "vocab_size",
-    "num_attention_heads",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-)
+_TARGET_FIELDS = tuple(f for f in GEOMETRY_FIELDS if f != "intermediate_size")  # that one defaults
 
 
 def like_config_json(target_config: dict, *, num_layers: int = 5) -> dict:
@@ -223,13 +214,8 @@ def like_config_json(target_config: dict, *, num_layers: int = 5) -> dict:
         hidden_size=t["hidden_size"],
         intermediate_size=t.get("intermediate_size", 2 * t["hidden_size"]),
         num_hidden_layers=num_layers,
-        num_attention_heads=t["num_attention_heads"],
+        **{f: t[f] for f in MLA_FIELDS},
         num_key_value_heads=t["num_attention_heads"],
-        q_lora_rank=t["q_lora_rank"],
-        kv_lora_rank=t["kv_lora_rank"],
-        qk_nope_head_dim=t["qk_nope_head_dim"],
-        qk_rope_head_dim=t["qk_rope_head_dim"],
-        v_head_dim=t["v_head_dim"],
         vocab_size=t["vocab_size"],
         draft_vocab_size=t["vocab_size"],
         target_hidden_size=t["hidden_size"],

@@ -159,32 +159,21 @@ def heldout_prompts(
 
 def target_config(sizes: PairSizes, vocab_size: int):
     """A dense DeepSeek-V3 MLA config with Kimi-K3's latent (kv_lora_rank 512 + rope 64)."""
-    from transformers import DeepseekV3Config
+    from vllm_dspark.checkpoint.store import mla_target_config
 
-    config = DeepseekV3Config(
-        vocab_size=vocab_size,
-        hidden_size=sizes.hidden_size,
-        intermediate_size=sizes.intermediate_size,
-        moe_intermediate_size=sizes.intermediate_size,
-        num_hidden_layers=sizes.target_layers,
-        first_k_dense_replace=sizes.target_layers,
-        num_attention_heads=sizes.heads,
-        num_key_value_heads=sizes.heads,
-        q_lora_rank=sizes.q_lora_rank,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=sizes.qk_nope_head_dim,
-        v_head_dim=sizes.v_head_dim,
-        n_group=1,
-        topk_group=1,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=1,
-    )
-    config.architectures = ["DeepseekV3ForCausalLM"]
-    return config
+    geometry = {
+        "vocab_size": vocab_size,
+        "hidden_size": sizes.hidden_size,
+        "intermediate_size": sizes.intermediate_size,
+        "num_hidden_layers": sizes.target_layers,
+        "num_attention_heads": sizes.heads,
+        "q_lora_rank": sizes.q_lora_rank,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": sizes.qk_nope_head_dim,
+        "v_head_dim": sizes.v_head_dim,
+    }
+    return mla_target_config(geometry, bos_token_id=0, eos_token_id=0, pad_token_id=1)
 
 
 def _schedule(steps: int):
