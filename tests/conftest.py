@@ -92,17 +92,18 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def dspark_models(tmp_path_factory: pytest.TempPathFactory):
-    """The end-to-end models of ``tests/dspark_e2e.py``: the trained pair (``tests/data/pair``) and
+    """The end-to-end models of ``tests/support/dspark_e2e.py``: the trained pair (``tests/data/pair``) and
     its drafter's FP8 build."""
-    from tests.dspark_e2e import build_models
+    from tests.support.dspark_e2e import build_models
 
     return build_models(tmp_path_factory.mktemp("dspark_models"))
 
 
 @pytest.fixture(scope="session")
 def skewed_checkpoint(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
-    """``tiny_checkpoint``'s weights under a config with ``_vllm_drafter.SKEWED_CONFIG`` (weights linked)."""
-    from _vllm_drafter import SKEWED_CONFIG, variant
+    """``tiny_checkpoint``'s weights under a config with ``vllm_drafter.SKEWED_CONFIG`` (weights linked)."""
+    from tests.support.checkpoints import variant
+    from tests.support.vllm_drafter import SKEWED_CONFIG
 
     def skew(config: dict) -> None:
         config["logit_scale"] = SKEWED_CONFIG["logit_scale"]

@@ -32,6 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.support.checkpoints import DROP, edit_config
 from vllm_dspark.fields import REQUIRED_FIELDS
 from vllm_dspark.tools import cli
 
@@ -101,17 +102,6 @@ def _copy(src: Path, tmp: Path, name: str | None = None) -> Path:
     return dst
 
 
-def _edit_config(model: Path, **changes) -> Path:
-    raw = json.loads((model / "config.json").read_text())
-    for key, value in changes.items():
-        if value is _DROP:
-            raw.pop(key, None)
-        else:
-            raw[key] = value
-    (model / "config.json").write_text(json.dumps(raw))
-    return model
-
-
 def _edit_tensor(model: Path, key: str, edit: Callable[[torch.Tensor], None]) -> Path:
     index = json.loads((model / "model.safetensors.index.json").read_text())
     shard = model / index["weight_map"][key]
@@ -128,7 +118,6 @@ def _set_first(value: float) -> Callable[[torch.Tensor], None]:
     return edit
 
 
-_DROP = object()
 _SCALE = "layers.0.mlp.down_proj"  # quantized in every format's default recipe, fused with nothing
 _WEIGHT = "layers.0.mlp.down_proj.weight"
 
@@ -136,7 +125,7 @@ _WEIGHT = "layers.0.mlp.down_proj.weight"
 def _draft_inputs(tmp: Path, ckpts: dict[str, Path], **changes) -> Path:
     tensors = load_file(str(ckpts["inputs"]))
     for key, value in changes.items():
-        if value is _DROP:
+        if value is DROP:
             tensors.pop(key)
         elif callable(value):
             tensors[key] = value(tensors[key])
@@ -755,7 +744,7 @@ add(
     "draft-missing-aux",
     2,
     "lacks required tensor(s) aux_hidden_states",
-    lambda t, c: _draft(c["bf16"], _draft_inputs(t, c, aux_hidden_states=_DROP), t),
+    lambda t, c: _draft(c["bf16"], _draft_inputs(t, c, aux_hidden_states=DROP), t),
 )
 add(
     "draft-unknown-tensor",
@@ -836,17 +825,17 @@ add(
 
 # 4. Config identity: architectures / model_type, required fields, integer seeds and corpora.
 IDENTITY = [
-    ("architectures", _DROP),
+    ("architectures", DROP),
     ("architectures", ["LlamaForCausalLM"]),
     ("architectures", []),
     ("architectures", "K3DSparkModel"),
     ("architectures", ["K3DSparkModel", "LlamaForCausalLM"]),
-    ("model_type", _DROP),
+    ("model_type", DROP),
     ("model_type", "deepseek_v3"),
 ]
 for field, value in IDENTITY:
-    tag = f"{field}-{'missing' if value is _DROP else json.dumps(value)}"
-    bad = lambda t, c, f=field, v=value: _edit_config(_copy(c["bf16"], t), **{f: v})  # noqa: E731
+    tag = f"{field}-{'missing' if value is DROP else json.dumps(value)}"
+    bad = lambda t, c, f=field, v=value: edit_config(_copy(c["bf16"], t), **{f: v})  # noqa: E731
     add(f"check-{tag}", 1, "are not a K3 DSpark drafter's", lambda t, c, b=bad: _check(b(t, c), t))
     add(
         f"draft-{tag}",
@@ -866,7 +855,7 @@ for field in REQUIRED_FIELDS:
         f"check-missing-{field}",
         1,
         f"required field(s) {field} missing",
-        lambda t, c, f=field: _check(_edit_config(_copy(c["bf16"], t), **{f: _DROP}), t),
+        lambda t, c, f=field: _check(edit_config(_copy(c["bf16"], t), **{f: DROP}), t),
     )
 for field in ("hidden_size", "vocab_size", "block_size"):
     add(
@@ -874,14 +863,14 @@ for field in ("hidden_size", "vocab_size", "block_size"):
         2,
         f"required field(s) {field} missing",
         lambda t, c, f=field: _draft(
-            _edit_config(_copy(c["bf16"], t), **{f: _DROP}), _draft_inputs(t, c), t
+            edit_config(_copy(c["bf16"], t), **{f: DROP}), _draft_inputs(t, c), t
         ),
     )
     add(
         f"quantize-missing-{field}",
         2,
         f"required field(s) {field} missing",
-        lambda t, c, f=field: _quantize(_edit_config(_copy(c["bf16"], t), **{f: _DROP}), t),
+        lambda t, c, f=field: _quantize(edit_config(_copy(c["bf16"], t), **{f: DROP}), t),
     )
 for seed in ("1.5", "abc", "1e3"):
     add(
@@ -972,9 +961,9 @@ MALFORMED = {
     "shard-truncated": lambda m: _replace_shard(m, lambda s, b=None: s.write_bytes(b"")),
     "shard-garbage": lambda m: _replace_shard(m, lambda s: s.write_bytes(b"\x00" * 64)),
     "shard-missing": lambda m: _replace_shard(m, lambda s: None),
-    "quantization-config-string": lambda m: _edit_config(m, quantization_config="fp8"),
-    "quantization-config-list": lambda m: _edit_config(m, quantization_config=["fp8"]),
-    "target-layer-ids-string": lambda m: _edit_config(m, target_layer_ids="2,23"),
+    "quantization-config-string": lambda m: edit_config(m, quantization_config="fp8"),
+    "quantization-config-list": lambda m: edit_config(m, quantization_config=["fp8"]),
+    "target-layer-ids-string": lambda m: edit_config(m, target_layer_ids="2,23"),
 }
 MALFORMED_MESSAGES = {
     "config-is-directory": "has no config.json",
@@ -1329,8 +1318,8 @@ def _no_dac_override() -> None:
         return  # an ordinary user has neither capability to drop
     libc = ctypes.CDLL(None, use_errno=True)
     for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
-        if libc.prctl(24, cap, 0, 0, 0):  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+        if libc.prctl(24, cap, 0, 0, 0):  # PR_CAPBSETDROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSETDROP)")
 
 
 def _file_size_limit(nbytes: int) -> Callable[[], None]:

@@ -9,10 +9,8 @@ figure the client reports can be checked against arithmetic done here.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,21 +19,12 @@ from typing import Any
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from tests.support.examples import load_example
+
 MODEL = "kimi-k3"
 
 
-def _load_bench() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "bench_acceptance", EXAMPLES / "bench_acceptance.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_acceptance"] = module  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_example("bench_acceptance")
 
 # Counter advance per completed request, as a K=7 DSpark server would count it: 4 verify steps
 # (drafts), 28 drafted tokens, 18 accepted, by position 4, 4, 3, 3, 2, 1, 1.

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.support.checkpoints import edit_config
 from vllm_dspark.checkpoint.check import check_checkpoint
 from vllm_dspark.checkpoint.layout import FP8_RECIPE
 from vllm_dspark.checkpoint_tools.make_random import make_random
@@ -43,12 +44,6 @@ def _broken(checkpoints: dict[str, Path], which: str, tmp_path: Path) -> Path:
     copy = tmp_path / which
     shutil.copytree(checkpoints[which], copy)
     return copy
-
-
-def _edit_config(model_dir: Path, edit) -> None:
-    config = json.loads((model_dir / "config.json").read_text())
-    edit(config)
-    (model_dir / "config.json").write_text(json.dumps(config))
 
 
 def _edit_tensors(model_dir: Path, edit) -> None:
@@ -101,7 +96,7 @@ def test_ignore_wins_over_targets_as_compressed_tensors_defines(
     checkpoints, tmp_path, capsys
 ) -> None:
     model_dir = _broken(checkpoints, "fp8", tmp_path)
-    _edit_config(
+    edit_config(
         model_dir, lambda c: c["quantization_config"]["ignore"].append("re:.*mlp\\.down_proj$")
     )
     problems = _problems(model_dir, capsys)
@@ -120,7 +115,7 @@ def test_a_glob_target_is_served_with_its_rewrite(checkpoints, tmp_path, capsys)
         targets.remove("re:.*layers\\.\\d+\\.mlp\\.down_proj$")
         targets.append("*mlp.down_proj")
 
-    _edit_config(model_dir, glob)
+    edit_config(model_dir, glob)
     report = check_checkpoint(model_dir)
     assert report.ok and len(report.quantized_modules) == 11
     assert main([str(model_dir)]) == 0
@@ -138,7 +133,7 @@ def test_checkpoint_layer_names_are_module_names(checkpoints, tmp_path) -> None:
         qc["ignore"].remove("re:.*layers\\.\\d+\\.self_attn\\.kv_b_proj$")
         qc["ignore"] += ["layers.0.self_attn.kv_b_proj", "layers.1.self_attn.kv_b_proj"]
 
-    _edit_config(model_dir, per_layer)
+    edit_config(model_dir, per_layer)
     report = check_checkpoint(model_dir)
     assert report.ok and not report.warnings, report.problems
 
@@ -153,7 +148,7 @@ def test_split_fused_module(checkpoints, tmp_path, capsys) -> None:
         qc["config_groups"]["group_0"]["targets"].remove("re:.*layers\\.\\d+\\.mlp\\.up_proj$")
         qc["ignore"].append("re:.*layers\\.\\d+\\.mlp\\.up_proj$")
 
-    _edit_config(model_dir, split)
+    edit_config(model_dir, split)
     problems = _problems(model_dir, capsys)
     assert (
         "layers.0.mlp.up_proj is stored as fp8, but quantization_config leaves it unquantized (ignore "
@@ -256,7 +251,7 @@ def test_several_config_groups_of_one_format(checkpoints, tmp_path) -> None:
         groups = config["quantization_config"]["config_groups"]
         groups["group_1"] = dict(groups["group_0"], targets=[groups["group_0"]["targets"].pop()])
 
-    _edit_config(model_dir, two_groups)
+    edit_config(model_dir, two_groups)
     report = check_checkpoint(model_dir)
     assert report.ok and report.config_groups == 2 and len(report.quantized_modules) == 11
 

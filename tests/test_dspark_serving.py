@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's real ``dspark`` speculator driving this drafter end to end, on CPU and on GPU, one body.
 
-``tests/dspark_e2e.py`` serves the trained pair (``tests/data/pair``, made by ``vllm-dspark
+``tests/support/dspark_e2e.py`` serves the trained pair (``tests/data/pair``, made by ``vllm-dspark
 train-pair``: a 7-layer DeepSeek-V3 MLA target with Kimi-K3's 576-wide latent and its 2-layer
 drafter), BF16 and FP8, through ``vllm.LLM(speculative_config={"method": "dspark"})``, in its own
 process, and records outputs, vLLM's spec-decode counters and, captured inside the engine, every
@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dspark_e2e import BLOCK, PROMPTS
+from tests.support.dspark_e2e import BLOCK, PROMPTS
 from vllm_dspark.cpu_serving.engines import greedy_agreement, near_tie
 from vllm_dspark.tools.cli import main as cli_main
 
@@ -60,7 +60,7 @@ def _platform_available(platform: str) -> bool:
     ],
 )
 def served(request, dspark_models: dict[str, Path]) -> dict:
-    """Run ``tests/dspark_e2e.py`` once per platform; its results, captures and model directories."""
+    """Run ``tests/support/dspark_e2e.py`` once per platform; its results, captures and model directories."""
     platform = request.param
     if not _platform_available(platform):
         pytest.skip(f"the installed vLLM does not run on {platform}")
@@ -76,7 +76,7 @@ def served(request, dspark_models: dict[str, Path]) -> dict:
         [
             sys.executable,
             "-m",
-            "tests.dspark_e2e",
+            "tests.support.dspark_e2e",
             "--platform",
             platform,
             "--models",

@@ -71,11 +71,11 @@ def test_toy_format_round_trips(toy_format: formats.QuantFormat) -> None:
 def test_toy_format_quantize_check_load_eval(
     toy_format: formats.QuantFormat, tiny_checkpoint: Path, tiny_mla_target: Path, tmp_path: Path
 ) -> None:
-    from _vllm_drafter import assert_hooks_match_reference, load_drafter
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         CompressedTensorsW8A16Fp8,
     )
 
+    from tests.support.vllm_drafter import assert_hooks_match_reference, load_drafter
     from vllm_dspark.checkpoint.check import check_checkpoint
     from vllm_dspark.checkpoint.store import load_drafter_state_dict, resolve_checkpoint
     from vllm_dspark.drift.harness import EvalSpec, run

@@ -177,3 +177,21 @@ def test_the_pure_math_needs_only_torch(module: str) -> None:
     assert not extra, (
         f"vllm_dspark.{module} imports {sorted(extra)}: ops/ is torch and the standard library only"
     )
+
+
+def test_tests_share_code_only_through_tests_support() -> None:
+    """No test module imports another; what several share lives in ``tests/support/``."""
+    tests = Path(__file__).resolve().parent
+    local = {p.stem for p in tests.glob("*.py")}
+    wrong = {}
+    for path in sorted(tests.glob("*.py")):
+        imported = _imports(ast.parse(path.read_text()), skip_type_checking=False)
+        bad = sorted(
+            i
+            for i in imported
+            if i.split(".")[0] in local
+            or (i.startswith("tests.") and not i.startswith("tests.support"))
+        )
+        if bad:
+            wrong[path.name] = bad
+    assert not wrong

@@ -2,14 +2,14 @@
 """``K3DSparkForCausalLM`` built and loaded by vLLM's own dspark loader on CPU, against the reference drafter.
 
 The drafter is built exactly as ``DSparkSpeculator.load_draft_model`` builds it (see
-``_vllm_drafter.py``) from a real ``VllmConfig`` with ``speculative_config={"method": "dspark"}``,
+``tests/support/vllm_drafter.py``) from a real ``VllmConfig`` with ``speculative_config={"method": "dspark"}``,
 in FP32 so it can be compared with the FP32 reference drafter. What is replaced on CPU, and why:
 the draft layers' attention is ``TorchLatentAttention`` instead of vLLM's Kimi-K3
 ``MultiHeadLatentAttention``, whose decode/prefill epilogues are fused CUDA kernels; the tests bind
 paged latent caches to it and pass attention metadata through vLLM's forward context. Everything
 else (linears, norms, rotary table, Markov/confidence heads, logits processor, loader) is vLLM's.
 
-The ``skewed`` drafter (``_vllm_drafter.SKEWED_CONFIG``: ``logit_scale`` 1.75, ``mscale`` 1.0 against
+The ``skewed`` drafter (``vllm_drafter.SKEWED_CONFIG``: ``logit_scale`` 1.75, ``mscale`` 1.0 against
 ``mscale_all_dim`` 0.5) is also served at a 40000-token context, so its block sits past the YaRN
 boundary (``original_max_position_embeddings`` 32768) and every scale the presets leave at 1 counts.
 
@@ -27,7 +27,8 @@ from typing import Any
 
 import pytest
 import torch
-from _vllm_drafter import (
+
+from tests.support.vllm_drafter import (
     Served,
     assert_hooks_match_reference,
     bind_caches,

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from _vllm_drafter import Served, assert_hooks_match_reference, load_drafter, variant
 
+from tests.support.checkpoints import variant
+from tests.support.vllm_drafter import Served, assert_hooks_match_reference, load_drafter
 from vllm_dspark.checkpoint.layout import FP8_RECIPE, kind_regex
 
 FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}

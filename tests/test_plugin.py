@@ -182,13 +182,13 @@ print("AMX", torch.cpu._is_amx_tile_supported(), vllm_dspark.request_amx_permiss
 
 def test_an_amx_kernel_runs_after_the_plugins_request() -> None:
     """On AMX hosts: a tile kernel dies with SIGILL in a process that never asked, and runs after
-    ``request_amx_permission()`` (tests/amx_host_check.py; it also runs where vLLM cannot)."""
-    from tests.amx_host_check import cpu_flags
+    ``request_amx_permission()`` (tests/support/amx_host_check.py; it also runs where vLLM cannot)."""
+    from tests.support.amx_host_check import cpu_flags
 
     if not {"amx_tile", "amx_bf16"} <= cpu_flags():
         pytest.skip("this CPU has no AMX tiles")
     out = subprocess.run(
-        [sys.executable, "tests/amx_host_check.py"],
+        [sys.executable, "tests/support/amx_host_check.py"],
         cwd=Path(__file__).resolve().parents[1],
         capture_output=True,
         text=True,

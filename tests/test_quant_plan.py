@@ -2,7 +2,7 @@
 """One quantization plan for every tool: the encodings real builds use, served, warned about or refused alike.
 
 The FP8 build is ``vllm-dspark quantize``'s (the published recipe) of the random ``tiny`` drafter; each
-encoding of :mod:`_encodings` rewrites only its config.json. ``check``, ``doctor`` (CLI and the serve-time
+encoding of :mod:`tests.support.encodings` rewrites only its config.json. ``check``, ``doctor`` (CLI and the serve-time
 hook inside vLLM's ``EngineArgs``) and vLLM's dspark loader must agree on every one.
 """
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _encodings import REFUSED, SERVED, WARNED, encoded
-from _vllm_drafter import load_drafter
 from safetensors.torch import save_file
 
+from tests.support.encodings import REFUSED, SERVED, WARNED, encoded
+from tests.support.vllm_drafter import load_drafter
 from vllm_dspark.checkpoint import quant_plan
 from vllm_dspark.checkpoint.check import check_checkpoint
 from vllm_dspark.checkpoint.layout import (

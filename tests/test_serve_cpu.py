@@ -20,13 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_bench_acceptance import bench
+from tests.support.examples import load_example
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 6
 PROMPTS = ["w11 w250 w3000 w42 w7 w900 w12", "w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15"]
+
+bench = load_example("bench_acceptance")
 
 
 def _free_port() -> int:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from _vllm_drafter import (
+
+from tests.support.vllm_drafter import (
     assert_hooks_match_reference,
     bind_caches,
     load_drafter,

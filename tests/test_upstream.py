@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from _encodings import SERVED, encoded
-from _vllm_drafter import Served, load_drafter, make_batch
 
+from tests.support.encodings import SERVED, encoded
+from tests.support.vllm_drafter import Served, load_drafter, make_batch
 from vllm_dspark.checkpoint.layout import FP8_RECIPE
 
 pytestmark = [pytest.mark.vllm_api, pytest.mark.usefixtures("one_torch_thread")]

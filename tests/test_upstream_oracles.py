@@ -22,10 +22,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from _vllm_drafter import SKEWED_CONFIG, Served, bind_caches, load_drafter, make_batch, run_block
 from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
 from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
+from tests.support.vllm_drafter import (
+    SKEWED_CONFIG,
+    Served,
+    bind_caches,
+    load_drafter,
+    make_batch,
+    run_block,
+)
 from vllm_dspark.checkpoint.presets import preset_config
 from vllm_dspark.ops.rope import RotaryEmbedding, rotate_pe, softmax_scale
 from vllm_dspark.reference.drafter import MultiHeadLatentAttention as ReferenceMLA

@@ -14,7 +14,6 @@ to it and pass metadata through vLLM's forward context, where the GPU layer find
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,19 +44,6 @@ def load_drafter(
         return load_with_vllm(
             draft_dir, target_dir=target_dir, dtype=dtype, heads_file=heads_file, **speculative
         )
-
-
-def variant(source: Path, dest: Path, edit_config) -> Path:
-    """A copy of checkpoint ``source`` whose config.json is ``edit_config(dict)``; weights are linked."""
-    dest.mkdir(parents=True)
-    for path in source.iterdir():
-        if path.name == "config.json":
-            continue
-        (dest / path.name).symlink_to(path.resolve(), target_is_directory=path.is_dir())
-    config = json.loads((source / "config.json").read_text())
-    edit_config(config)
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    return dest
 
 
 # ----- driving the hooks the speculator calls -----

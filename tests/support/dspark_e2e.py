@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Serve the trained pair through vLLM's real ``dspark`` speculator, and record what it drafted.
 
-``python -m tests.dspark_e2e --platform {cpu,cuda} --models DIR --out DIR`` runs, in one process and
+``python -m tests.support.dspark_e2e --platform {cpu,cuda} --models DIR --out DIR`` runs, in one process and
 in-process engines, :func:`vllm_dspark.cpu_serving.pair.serve_pair` (the target without
 speculation with top-2 logprobs, the BF16 and FP8 drafters greedy, the BF16 drafter drafting
 probabilistically with block verification: what ``make demo`` serves). It writes ``results.json``
