@@ -77,7 +77,7 @@ def _quantize_command(model_dir: Path, out_dir: Path, fmt: str, workers: int) ->
     """``vllm-dspark quantize``, the installed command beside this interpreter."""
     script = Path(sys.executable).with_name("vllm-dspark")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "vllm_dspark.tools.cli"]
-    return [*command, "quantize", "--model-dir", str(model_dir), "--output-dir", str(out_dir),
+    return [*command, "quantize", "--model-dir", str(model_dir), "--out", str(out_dir),
             "--quant-format", fmt, "--workers", str(workers)]  # fmt: skip
 
 

@@ -49,3 +49,29 @@ def test_running_a_command_still_loads_what_it_needs(tmp_path) -> None:
     out = tmp_path / "drafter"
     assert main(["make-random", "--preset", "tiny", "--out", str(out), "--quiet"]) == 0
     assert main(["check", str(out)]) == 0
+
+
+def test_every_command_spells_the_shared_flags_the_same_way() -> None:
+    """--out, --seed, --overwrite, --no-progress and --debug come from one place; old spellings still parse."""
+    import importlib
+
+    from vllm_dspark.tools.cli import COMMANDS
+
+    helps = {}
+    for name, (module, _) in COMMANDS.items():
+        parser = importlib.import_module(module).build_parser()
+        helps[name] = {a.dest: a for a in parser._actions}
+    assert all("debug" in h for h in helps.values())
+    seen = {
+        dest: {repr((a.option_strings, a.help)) for h in helps.values() if (a := h.get(dest))}
+        for dest in ("seed", "overwrite", "no_progress", "debug")
+    }
+    assert all(len(spellings) == 1 for spellings in seen.values()), seen
+
+    quantize = importlib.import_module(COMMANDS["quantize"][0]).build_parser()
+    base = ["--model-dir", "m", "--quant-format", "fp8"]
+    for flag in ("--out", "--output-dir", "--output_dir"):
+        assert str(quantize.parse_args([*base, flag, "o"]).out) == "o"
+    make_random = importlib.import_module(COMMANDS["make-random"][0]).build_parser()
+    for flag in ("--no-progress", "--quiet"):
+        assert make_random.parse_args(["--preset", "tiny", "--out", "o", flag]).no_progress

@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 
 from vllm_dspark.checkpoint.presets import preset_config_json
-from vllm_dspark.doctor import checks, cli, facts, serve
+from vllm_dspark.doctor import checks, facts, serve
 from vllm_dspark.doctor.checks import diagnose
 from vllm_dspark.doctor.facts import EngineFacts, MachineFacts
 from vllm_dspark.findings import Finding
+from vllm_dspark.tools import doctor as cli
 
 GB300 = MachineFacts("cuda", (10, 3), "NVIDIA GB300")
 H200 = MachineFacts("cuda", (9, 0), "NVIDIA H200")

@@ -26,9 +26,10 @@ from typing import Any
 import pytest
 
 from vllm_dspark.checkpoint.presets import preset_config_json
-from vllm_dspark.doctor import checks, cli, facts
+from vllm_dspark.doctor import checks, facts
 from vllm_dspark.doctor.facts import MachineFacts
 from vllm_dspark.findings import errors
+from vllm_dspark.tools import doctor as cli
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = sorted(EXAMPLES.glob("serve_*.sh"))

@@ -49,10 +49,13 @@ assert "vllm_dspark.runtime.model" not in sys.modules, "register() imported the 
 assert not torch.cuda.is_initialized()
 from vllm import ModelRegistry
 print("ARCH-OK", "K3DSparkModel" in ModelRegistry.get_supported_archs())
+import vllm_dspark.runtime.model
+# What a worker loads: the model, never the tools' signal handling and staging (vllm_dspark.safety).
+print("RUNTIME", sorted(m for m in sys.modules if m.startswith(("vllm_dspark.safety", "vllm_dspark.tools"))))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "ARCH-OK True" in out.stdout
+    assert "ARCH-OK True" in out.stdout and "RUNTIME []" in out.stdout, out.stdout[-2000:]
     log = out.stdout + out.stderr
     assert log.count("overrides vLLM's in-tree K3 DSpark drafter") == 1, log[-3000:]
 

@@ -9,8 +9,11 @@ findings' one-line rendering and which keeps the findings for callers that repor
 from __future__ import annotations
 
 import dataclasses
+import errno
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 Severity = Literal["error", "warning", "note"]
@@ -77,3 +80,46 @@ def most_severe_first(findings: Iterable[Finding]) -> list[Finding]:
 
 def errors(findings: Sequence[Finding]) -> list[Finding]:
     return [f for f in findings if f.severity == "error"]
+
+
+# ----- OS errors -----
+
+
+_OS_FIXES = {
+    errno.EROFS: "that filesystem is read-only: choose a writable location",
+    errno.ENOSPC: "free space on that disk, or write somewhere with room",
+    errno.EDQUOT: "free space within your disk quota, or write somewhere with room",
+    errno.EFBIG: "the file outgrew this process's size limit (ulimit -f) or the filesystem's: "
+    "raise the limit, or write somewhere with room",
+    errno.ENOENT: "check the path",
+    errno.EISDIR: "pass a file path, not a directory",
+    errno.ENOTDIR: "a component of that path is a file: pass a directory path",
+    errno.ENAMETOOLONG: "use a shorter path",
+}
+
+
+def _permission_fix(filename: str | None) -> str:
+    """What a permission error on ``filename`` needs: its mode, and the bits to read or write it."""
+    if not filename:
+        return "fix the permissions of that path, or choose one you can access"
+    path = Path(filename)
+    try:
+        mode = stat.filemode(path.stat().st_mode)
+    except OSError:  # it does not exist yet: writing it needs its folder
+        return f"writing it needs w and x on {path.parent}: fix that folder's permissions or write elsewhere"
+    needs = "r and x (w and x to write into it)" if path.is_dir() else "r (w to overwrite it)"
+    return (
+        f"it is there ({mode}) but this user may not use it: reading it needs {needs}; "
+        f"chmod u+r {path} or run as a user who may"
+    )
+
+
+def os_error_finding(e: OSError) -> Finding:
+    """What went wrong, on which path, and the fix, by errno (permission, missing, no space, read-only)."""
+    where = f" {e.filename}" if e.filename else ""
+    if e.filename2:
+        where += f" -> {e.filename2}"
+    problem = (e.strerror or str(e)).lower()
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return Finding(f"{problem}:{where}", _permission_fix(e.filename))
+    return Finding(f"{problem}:{where}", _OS_FIXES.get(e.errno, "check the path and the disk"))

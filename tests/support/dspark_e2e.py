@@ -26,7 +26,7 @@ from typing import Any
 from vllm_dspark.cpu_serving import engines
 from vllm_dspark.cpu_serving.pair import BLOCK, heldout_prompts, sampling, serve_pair
 
-PAIR = Path(__file__).resolve().parent / "data" / "pair"
+PAIR = Path(__file__).resolve().parents[1] / "data" / "pair"
 # Held-out prompts of the trained pair (vllm-dspark train-pair), cut short: the CPU run is slow.
 PROMPTS = heldout_prompts(PAIR, 3, 24)
 # Per platform: prompts and tokens per request. The CPU run interprets vLLM's Triton kernels

@@ -32,9 +32,8 @@ from vllm_dspark.checkpoint.store import (
     shape_mismatches,
 )
 from vllm_dspark.config import K3DSparkConfig
-from vllm_dspark.findings import Finding, FindingError, errors, render
+from vllm_dspark.findings import Finding, FindingError, errors, os_error_finding, render
 from vllm_dspark.finite import invalid_scale_count
-from vllm_dspark.safety import os_error_finding
 
 _REQUANTIZE = "re-quantize the BF16 checkpoint with `vllm-dspark quantize`"
 

@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from vllm_dspark.findings import Finding, FindingError
-from vllm_dspark.safety import os_error_finding, staged
+from vllm_dspark.findings import Finding, FindingError, os_error_finding
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -215,6 +214,10 @@ class SafetensorsWriter:
         self._offsets = {
             key: e["data_offsets"][0] for key, e in header.items() if key != "__metadata__"
         }
+        from vllm_dspark.safety import (
+            staged,  # writers only: vLLM's workers never load signal handling
+        )
+
         self._staging = staged(self.path, directory=False)
         staging = self._staging.__enter__()
         self._file = open(staging, "wb", buffering=0)  # noqa: SIM115 - closed in close() / abort()

@@ -432,8 +432,8 @@ def quantize_checkpoint(
         raise Refusal(f"--workers must be at least 1, got {workers}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise Refusal("--device cuda, but torch sees no CUDA device; use --device cpu")
-    check_output(output_dir, [model_dir], flag="--output-dir")
-    refuse_nonempty(output_dir, overwrite=overwrite, flag="--output-dir")
+    check_output(output_dir, [model_dir], flag="--out")
+    refuse_nonempty(output_dir, overwrite=overwrite, flag="--out")
     plan = _plan(model_dir, fmt, include_layers)
     threads = torch.get_num_threads()
     try:

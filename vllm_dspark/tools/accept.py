@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vllm_dspark.drift import builtin_variants, default_variants
 from vllm_dspark.safety import check_output, staged
-from vllm_dspark.tools.cli import ArgumentParser
+from vllm_dspark.tools.cli import ArgumentParser, add_out, add_shared
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,10 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.1,
         help="--scheduled's cost of one verified token relative to a step's fixed cost (default 0.1)",
     )
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
-    parser.add_argument("--out", type=Path, required=True, help="results directory")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_out(parser, "results directory")
+    add_shared(parser, seed=True, progress=True)
     return parser
 
 

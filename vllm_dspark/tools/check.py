@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from vllm_dspark.tools.cli import ArgumentParser
+from vllm_dspark.tools.cli import ArgumentParser, add_shared
 
 
 def build_parser() -> ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> ArgumentParser:
         "every tensor's dtype and shape, scales) without loading its weights. Exits 1 on any problem.",
     )
     parser.add_argument("model_dir", type=Path, help="the drafter checkpoint directory")
+    add_shared(parser)
     return parser
 
 

@@ -31,6 +31,50 @@ class ArgumentParser(argparse.ArgumentParser):
         return super().parse_known_args([_kebab(a) for a in args], namespace)
 
 
+def add_out(
+    parser: argparse.ArgumentParser,
+    help: str,
+    *aliases: str,
+    required: bool = True,
+    default: str | None = None,
+) -> None:
+    """``--out``, every command's output flag; ``aliases`` are a command's older spellings, still accepted."""
+    from pathlib import Path
+
+    parser.add_argument(
+        "--out", *aliases, dest="out", type=Path, required=required, default=default, help=help
+    )
+
+
+def add_shared(
+    parser: argparse.ArgumentParser,
+    *,
+    seed: bool = False,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> None:
+    """The flags every command spells and explains the same way (``--debug`` on all of them)."""
+    if seed:
+        parser.add_argument(
+            "--seed", type=int, default=0, help="random seed, an integer (default 0)"
+        )
+    if overwrite:
+        parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    if progress:
+        parser.add_argument(
+            "--no-progress",
+            "--quiet",
+            dest="no_progress",
+            action="store_true",
+            help="no progress bars (--quiet is the older spelling)",
+        )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback behind an error (also VLLM_DSPARK_DEBUG=1)",
+    )
+
+
 def _kebab(arg: str) -> str:
     if not arg.startswith("--"):
         return arg

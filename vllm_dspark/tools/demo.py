@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_dspark.tools.cli import ArgumentParser
+from vllm_dspark.tools.cli import ArgumentParser, add_out
 
 RUNS = ("baseline", "bf16", "fp8")
 
@@ -40,7 +40,7 @@ def build_parser() -> ArgumentParser:
         required=True,
         help="a train-pair directory: target/, drafter/, heldout_prompts.json",
     )
-    parser.add_argument("--out", type=Path, default=Path("demo-out"), help="demo output directory")
+    add_out(parser, "demo output directory (default demo-out)", required=False, default="demo-out")
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts (default 4)")
     parser.add_argument("--prompt-tokens", type=int, default=24, help="tokens per prompt")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt")
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     fp8 = args.out / "drafter-fp8"
     _step(f"1/3 quantize {args.pair / 'drafter'} to FP8, then check it")
-    argv_q = ["quantize", "--model-dir", str(args.pair / "drafter"), "--output-dir", str(fp8)]
+    argv_q = ["quantize", "--model-dir", str(args.pair / "drafter"), "--out", str(fp8)]
     rc = cli.main([*argv_q, "--quant-format", "fp8", "--overwrite"]) or cli.main(
         ["check", str(fp8)]
     )

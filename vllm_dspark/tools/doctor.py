@@ -28,7 +28,7 @@ from vllm_dspark.doctor.facts import (
     vllm_schema,
 )
 from vllm_dspark.findings import Finding, errors, most_severe_first, render_table
-from vllm_dspark.tools.cli import ArgumentParser
+from vllm_dspark.tools.cli import ArgumentParser, add_shared
 
 
 def _json_arg(text: str) -> Any:
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="check against this GPU instead of this machine's (e.g. 10.3 for GB300, 9.0 for H200)",
     )
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    add_shared(p)
     return p
 
 

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.reference import INPUT_TENSORS, OUTPUT_TENSORS
 from vllm_dspark.safety import check_output
-from vllm_dspark.tools.cli import ArgumentParser
+from vllm_dspark.tools.cli import ArgumentParser, add_out, add_shared
 
 if TYPE_CHECKING:
     import torch
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     inputs = "\n".join(
         f"  {n:<18} {'' if req else '(optional) '}{desc}"
         for n, (req, desc) in INPUT_TENSORS.items()
@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="write a random inputs file for this model to FILE and exit",
     )
-    parser.add_argument("--out", type=Path, help="output tensors (.safetensors), names below")
+    add_out(parser, "output tensors (.safetensors), names below", required=False)
     parser.add_argument(
         "--dtype",
         choices=["fp32", "bf16"],
@@ -65,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="attend in the absorbed MLA form the GPU kernels use (default: naive kv_b_proj form)",
     )
+    add_shared(parser)
     return parser
 
 
@@ -85,7 +86,7 @@ def _write(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     import torch
 

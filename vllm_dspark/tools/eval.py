@@ -14,7 +14,7 @@ from vllm_dspark.checkpoint.layout import FP8_RECIPE, QUANT_FORMATS
 from vllm_dspark.drift import DEFAULT_REGIMES, REGIMES, SELF_CHECK, default_variants
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, staged
-from vllm_dspark.tools.cli import ArgumentParser
+from vllm_dspark.tools.cli import ArgumentParser, add_out, add_shared
 
 DEFAULT_SWEEP: tuple[int, ...] = (
     1 << 10,
@@ -68,9 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--blocks", type=int, default=1024, help="blocks per regime and position (default 1024)"
     )
-    parser.add_argument("--out", required=True, help="results directory")
+    add_out(parser, "results directory")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--positions",
         nargs="*",
@@ -111,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)"
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_shared(parser, seed=True, progress=True)
     return parser
 
 

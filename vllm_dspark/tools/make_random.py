@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from vllm_dspark.checkpoint.presets import PRESETS
-from vllm_dspark.tools.cli import ArgumentParser
+from vllm_dspark.tools.cli import ArgumentParser, add_out, add_shared
 
 
 def build_parser() -> ArgumentParser:
@@ -34,15 +34,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument(
         "--num-layers", type=int, default=5, help="draft decoder layers with --like (default 5)"
     )
-    parser.add_argument(
-        "--out",
-        required=True,
-        type=Path,
-        help="output directory (created; built beside it and renamed into place)",
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    parser.add_argument("--seed", type=int, default=0, help="random seed, an integer (default 0)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_out(parser, "output directory (created; built beside it and renamed into place)")
+    add_shared(parser, seed=True, overwrite=True, progress=True)
     return parser
 
 
@@ -57,12 +50,16 @@ def main(argv: list[str] | None = None) -> int:
             args.like,
             num_layers=args.num_layers,
             seed=args.seed,
-            progress=not args.quiet,
+            progress=not args.no_progress,
             overwrite=args.overwrite,
         )
     else:
         make_random(
-            args.out, args.preset, seed=args.seed, progress=not args.quiet, overwrite=args.overwrite
+            args.out,
+            args.preset,
+            seed=args.seed,
+            progress=not args.no_progress,
+            overwrite=args.overwrite,
         )
     size = sum(p.stat().st_size for p in args.out.rglob("*.safetensors"))
     print(

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from vllm_dspark.checkpoint.layout import FP8_RECIPE, QUANT_FORMATS, QUANTIZABLE_KINDS, REPORT_NAME
-from vllm_dspark.tools.cli import ArgumentParser
+from vllm_dspark.tools.cli import ArgumentParser, add_out, add_shared
 
 
 def registered_format(name: str) -> str:
@@ -33,9 +33,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument(
         "--model-dir", required=True, type=Path, help="the BF16 drafter checkpoint directory"
     )
-    parser.add_argument(
-        "--output-dir", required=True, type=Path, help="where to write the quantized checkpoint"
-    )
+    add_out(parser, "where to write the quantized checkpoint", "--output-dir")
     parser.add_argument(
         "--quant-format",
         required=True,
@@ -60,7 +58,7 @@ def build_parser() -> ArgumentParser:
         default=None,
         help="threads streaming row chunks (default: one per core)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
+    add_shared(parser, overwrite=True, progress=True)
     return parser
 
 
@@ -71,19 +69,20 @@ def main(argv: list[str] | None = None) -> int:
 
     report = quantize_checkpoint(
         args.model_dir,
-        args.output_dir,
+        args.out,
         args.quant_format,
         args.include_layers,
         device=args.device,
         workers=args.workers,
         overwrite=args.overwrite,
+        progress=not args.no_progress,
     )
     o = report["overall"]
     print(
         f"quantized {o['modules_quantized']} modules to {args.quant_format}: {human_params(o['params_quantized'])} of "
         f"{human_params(o['params_total'])} params ({100 * o['fraction_quantized']:.0f} %), "
         f"{human_bytes(o['bytes_before'])} -> {human_bytes(o['bytes_after'])}, weight SNR mean {o['snr_db_mean']:.1f} dB "
-        f"(min {o['snr_db_min']:.1f}), {o['seconds']:.1f} s; wrote {args.output_dir}"
+        f"(min {o['snr_db_min']:.1f}), {o['seconds']:.1f} s; wrote {args.out}"
     )
     return 0
 

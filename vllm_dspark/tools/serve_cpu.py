@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from vllm_dspark.tools.cli import ArgumentParser
+from vllm_dspark.tools.cli import ArgumentParser, add_shared
 
 # The drafter's block_size: dspark drafts a whole block per step.
 NUM_SPECULATIVE_TOKENS = 7
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the command (arguments NUL-separated) instead of running it",
     )
+    add_shared(parser)
     return parser
 
 

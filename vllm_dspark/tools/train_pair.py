@@ -5,31 +5,26 @@ from __future__ import annotations
 
 import sys
 from dataclasses import fields
-from pathlib import Path
 
 from vllm_dspark.pair import PairSizes
-from vllm_dspark.tools.cli import ArgumentParser
+from vllm_dspark.tools.cli import ArgumentParser, add_out, add_shared
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="vllm-dspark train-pair",
         description="Train, from scratch on CPU and reproducibly, a small DeepSeek-V3 MLA target (Kimi-K3's "
         "512 + 64 latent) and its K3 DSpark drafter on the Python standard library's source; write both "
         "(BF16), the tokenizer, held-out prompts, a JSON log, loss curves and a manifest to --out.",
     )
-    parser.add_argument(
-        "--out", required=True, type=Path, help="output directory (built beside it)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    add_out(parser, "output directory (built beside it)")
     parser.add_argument(
         "--minutes",
         type=float,
         default=None,
         help="wall-clock cap: training stops early when reached (recorded; steps run are logged)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_shared(parser, seed=True, overwrite=True, progress=True)
     defaults = PairSizes()
     for field in fields(PairSizes):
         parser.add_argument(
@@ -38,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
             default=getattr(defaults, field.name),
             help=f"default {getattr(defaults, field.name)}",
         )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from vllm_dspark.pair.train import train_pair
 
     if args.minutes is not None and args.minutes <= 0:
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes,
         seed=args.seed,
         minutes=args.minutes,
-        progress=not args.quiet,
+        progress=not args.no_progress,
         overwrite=args.overwrite,
         command=command.strip(),
     )
