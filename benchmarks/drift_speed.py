@@ -44,13 +44,12 @@ from vllm_dspark.drift.harness import (
     EvalSpec,
     ReferenceCell,
     batches,
-    load_reference,
-    load_variant,
     make_blocks,
     reference_cell,
     validate,
     variant_cell,
 )
+from vllm_dspark.drift.variants import load_reference, load_variant
 from vllm_dspark.reference.drafter import ReferenceDrafter
 from vllm_dspark.safety import spill_dir
 
@@ -86,7 +85,7 @@ def run(
         progress=False,
     )
     start = time.perf_counter()
-    config, reference, heads = load_reference(spec)
+    config, reference, heads = load_reference(spec.model)
     validate(spec, config)
     load_reference_s = time.perf_counter() - start
     blocks = make_blocks(spec, config, reference)
@@ -102,7 +101,7 @@ def run(
         ref = reference_pass("reference.npy")  # what every variant pass compares with
         for name in variants:
             start = time.perf_counter()
-            variant, source = load_variant(name, spec, config, heads, reference)
+            variant, source = load_variant(name, spec.model, config, heads, reference)
             load_s = time.perf_counter() - start
             result = paired(
                 timed(_variant_pass(variant, name, ref, batch, quiet)),

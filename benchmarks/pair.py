@@ -120,9 +120,9 @@ def timing_note(payload: dict[str, Any]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Predicted τ (each drift figure) against measured τ, one point per format, y = x drawn."""
-    from vllm_dspark.drift.report import _pyplot
+    from vllm_dspark.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(5.2, 4.4))

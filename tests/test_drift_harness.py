@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from vllm_dspark.drift import corpus, regimes
-from vllm_dspark.drift.harness import EvalSpec, backbone, batches, load_reference, make_blocks, run
+from vllm_dspark.drift.harness import EvalSpec, backbone, batches, make_blocks, run
+from vllm_dspark.drift.variants import load_reference
+from vllm_dspark.reference.target import load_target
 from vllm_dspark.tools import cli
 from vllm_dspark.tools.eval import main, parse_position
 
@@ -242,7 +244,7 @@ def test_cell_inputs_are_pinned(tiny_checkpoint, regime):
         positions=(position,),
         progress=False,
     )
-    config, reference, _ = load_reference(spec)
+    config, reference, _ = load_reference(spec.model, target=spec.target)
     blocks = make_blocks(spec, config, reference)
     assert spec.all_positions() == [t, position]
     n, layers, width = config.block_size, config.num_target_layers, config.target_hidden_size
@@ -283,9 +285,9 @@ def test_real_aux_is_the_residual_entering_the_layers_vllm_taps(dspark_models, t
         corpus=str(tmp_path / "ids.json"),
         progress=False,
     )
-    config, reference, _ = load_reference(spec)
+    config, reference, _ = load_reference(spec.model, target=spec.target)
     blocks = make_blocks(spec, config, reference)
-    model = regimes.load_target(
+    model = load_target(
         spec.target, config.target_layer_ids, config.target_hidden_size, config.vocab_size
     )
     seen = {}

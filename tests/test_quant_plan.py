@@ -417,14 +417,14 @@ def test_stray_lm_head_and_disabled_confidence_head_are_skipped_with_one_warning
 
 
 def test_eval_reads_builds_through_the_resolver(encodings, builds, tiny_checkpoint: Path) -> None:
-    from vllm_dspark.drift.harness import EvalSpec, load_reference, load_variant
+    from vllm_dspark.drift.variants import load_reference, load_variant
 
     with pytest.raises(ValueError, match="is quantized; --model must be the unquantized drafter"):
-        load_reference(EvalSpec(model=str(encodings("fp8", "linear-class"))))
-    config, reference, heads = load_reference(EvalSpec(model=str(tiny_checkpoint)))
+        load_reference(str(encodings("fp8", "linear-class")))
+    config, reference, heads = load_reference(str(tiny_checkpoint))
     _, source = load_variant(
         str(encodings("fp8", "include-layer-suffixes")),
-        EvalSpec(model=str(tiny_checkpoint)),
+        str(tiny_checkpoint),
         config,
         heads,
         reference,

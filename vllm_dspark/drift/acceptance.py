@@ -8,7 +8,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,10 +18,26 @@ from vllm_dspark.drift import builtin_variants, metrics
 from vllm_dspark.drift.harness import NON_FINITE_FIX
 from vllm_dspark.finite import require_finite
 
-if TYPE_CHECKING:
-    import argparse
-
 MODES = ("full", "scheduled")
+
+
+@dataclass(frozen=True)
+class AcceptSpec:
+    """What ``accept`` measures: a target, its drafter, the variants, the prompts and the decoding."""
+
+    target: Path
+    drafter: Path
+    variants: tuple[str, ...]
+    prompts: Path | None = None  # token-id JSON or text; default: the package's corpus
+    num_prompts: int = 16
+    prompt_len: int = 32
+    max_tokens: int = 64
+    temperature: float = 0.0
+    scheduled: bool = False
+    token_cost: float = 0.1
+    seed: int = 0
+    resamples: int = 1000
+    progress: bool = True
 
 
 # ----- prompts -----
@@ -105,7 +121,7 @@ class Target:
     """The target model with its KV cache: logits and the drafter's aux states for new tokens."""
 
     def __init__(self, path: Path, layer_ids: list[int], hidden: int, vocab: int) -> None:
-        from vllm_dspark.drift.regimes import load_target
+        from vllm_dspark.reference.target import load_target
 
         self.model = load_target(path, layer_ids, hidden, vocab)
         self.layer_ids = layer_ids
@@ -118,7 +134,7 @@ class Target:
 
     def forward(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed ``ids`` after the cached tokens: ``(logits [n, V] fp32, aux [n, W] bf16)``."""
-        from vllm_dspark.drift.regimes import target_states
+        from vllm_dspark.reference.target import target_states
 
         logits, aux = target_states(self.model, torch.tensor([ids]), self.layer_ids, self.cache)
         # NaN logits argmax to token 0 on both sides: refused, so they never count as acceptance.
@@ -287,41 +303,41 @@ def summarize(records: list[PromptRecord], block: int, resamples: int, seed: int
 # ----- the run -----
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from vllm_dspark.drift.harness import EvalSpec, load_reference, load_variant, versions
+def run(spec: AcceptSpec) -> dict[str, Any]:
+    from vllm_dspark.drift.harness import versions
+    from vllm_dspark.drift.variants import load_reference, load_variant
 
-    spec = EvalSpec(model=str(args.drafter), target=str(args.drafter / "target"))
-    config, reference, heads = load_reference(spec)
+    config, reference, heads = load_reference(str(spec.drafter))
     target = Target(
-        args.target, list(config.target_layer_ids), config.target_hidden_size, config.vocab_size
+        spec.target, list(config.target_layer_ids), config.target_hidden_size, config.vocab_size
     )
     prompts, source = load_prompts(
-        args.prompts,
-        args.target,
+        spec.prompts,
+        spec.target,
         config.vocab_size,
-        count=args.num_prompts,
-        length=args.prompt_len,
-        seed=args.seed,
+        count=spec.num_prompts,
+        length=spec.prompt_len,
+        seed=spec.seed,
     )
-    modes = MODES if args.scheduled else MODES[:1]
-    if args.scheduled and reference.confidence_head is None:
+    modes = MODES if spec.scheduled else MODES[:1]
+    if spec.scheduled and reference.confidence_head is None:
         raise ValueError("--scheduled needs a confidence head; this drafter has none.")
-    total = len(prompts) * len(args.variants) * len(modes)
+    total = len(prompts) * len(spec.variants) * len(modes)
     timing: dict[str, float] = {}
     baseline: list[list[int]] = []
-    if args.temperature == 0:
+    if spec.temperature == 0:
         t0 = time.perf_counter()
-        for p in tqdm(prompts, desc="target greedy", unit="prompt", disable=args.no_progress):
-            baseline.append(target.greedy(p, args.max_tokens))
+        for p in tqdm(prompts, desc="target greedy", unit="prompt", disable=not spec.progress):
+            baseline.append(target.greedy(p, spec.max_tokens))
         timing["baseline_s"] = time.perf_counter() - t0
     cells = []
-    with tqdm(total=total, desc="accept", unit="prompt", disable=args.no_progress) as bar:
-        for name in args.variants:
+    with tqdm(total=total, desc="accept", unit="prompt", disable=not spec.progress) as bar:
+        for name in spec.variants:
             t0 = time.perf_counter()
             if name == "fp32":
                 drafter, source_v = reference, "the FP32 reference"
             else:
-                drafter, source_v = load_variant(name, spec, config, heads, reference)
+                drafter, source_v = load_variant(name, str(spec.drafter), config, heads, reference)
             label = name if name in builtin_variants() else Path(name).name
             timing[f"load_{label}_s"] = time.perf_counter() - t0
             for mode in modes:
@@ -334,10 +350,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             target,
                             drafter,
                             prompt,
-                            max_tokens=args.max_tokens,
-                            temperature=args.temperature,
-                            seed=args.seed * 1_000_003 + i,
-                            token_cost=args.token_cost if mode == "scheduled" else None,
+                            max_tokens=spec.max_tokens,
+                            temperature=spec.temperature,
+                            seed=spec.seed * 1_000_003 + i,
+                            token_cost=spec.token_cost if mode == "scheduled" else None,
                         )
                     )
                     bar.update(1)
@@ -345,7 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "variant": label,
                     "mode": mode,
                     "source": source_v,
-                    **summarize(records, config.block_size, args.resamples, args.seed),
+                    **summarize(records, config.block_size, spec.resamples, spec.seed),
                     "seconds": time.perf_counter() - t0,
                 }
                 if baseline:
@@ -355,20 +371,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tool": "vllm-dspark accept",
         "methodology": __doc__,
         "config": {
-            "target": str(args.target),
-            "drafter": str(args.drafter),
-            "variants": list(args.variants),
+            "target": str(spec.target),
+            "drafter": str(spec.drafter),
+            "variants": list(spec.variants),
             "prompts": source,
             "num_prompts": len(prompts),
             "prompt_tokens": [len(p) for p in prompts],
-            "max_tokens": args.max_tokens,
-            "temperature": args.temperature,
-            "scheduled": args.scheduled,
-            "token_cost": args.token_cost,
+            "max_tokens": spec.max_tokens,
+            "temperature": spec.temperature,
+            "scheduled": spec.scheduled,
+            "token_cost": spec.token_cost,
             "block_size": config.block_size,
             "target_layer_ids": list(config.target_layer_ids),
-            "seed": args.seed,
-            "resamples": args.resamples,
+            "seed": spec.seed,
+            "resamples": spec.resamples,
         },
         "versions": versions(),
         "timing": timing,
@@ -408,9 +424,9 @@ def _fmt_pm(est: dict[str, float], digits: int = 2) -> str:
 
 def write_plots(results: dict[str, Any], out: Path) -> list[Path]:
     """τ per variant and per-position acceptance, as PNGs (none without matplotlib)."""
-    from vllm_dspark.drift.report import _pyplot
+    from vllm_dspark.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     cells = results["cells"]

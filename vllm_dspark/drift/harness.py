@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import platform
 import time
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,18 +24,8 @@ import torch
 from tqdm import tqdm
 
 import vllm_dspark.drift as drift_pkg
-from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
-    TARGET_DIR,
-    checkpoint_modules,
-    fused_module_groups,
-    tensor_shapes,
-)
-from vllm_dspark.checkpoint.store import (
-    load_drafter_state_dict,
-    load_target_heads,
-    resolve_checkpoint,
 )
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.drift import (
@@ -47,17 +37,12 @@ from vllm_dspark.drift import (
     metrics,
 )
 from vllm_dspark.drift import corpus as corpus_mod
-from vllm_dspark.drift.regimes import (
-    HEAVY_SIGMA,
-    boot_aux,
-    load_target,
-    synthetic_aux,
-    target_states,
-)
-from vllm_dspark.findings import Finding, FindingError
+from vllm_dspark.drift.regimes import HEAVY_SIGMA, boot_aux, synthetic_aux
+from vllm_dspark.drift.variants import load_reference, load_variant, variant_label
 from vllm_dspark.finite import require_finite
 from vllm_dspark.ops.sampling import markov_rollout
 from vllm_dspark.reference.drafter import ReferenceDrafter
+from vllm_dspark.reference.target import load_target, target_states
 from vllm_dspark.safety import spill_dir
 from vllm_dspark.version import __version__
 
@@ -184,135 +169,6 @@ def make_blocks(spec: EvalSpec, config: K3DSparkConfig, reference: ReferenceDraf
                 bar.update(len(ids))
         blocks.states[regime] = torch.cat(parts)
     return blocks
-
-
-# ----- drafters -----
-
-
-@dataclass
-class Heads:
-    embed: torch.Tensor
-    lm_head: torch.Tensor
-
-
-def load_reference(spec: EvalSpec) -> tuple[K3DSparkConfig, ReferenceDrafter, Heads]:
-    """The FP32 reference, refusing a quantized ``--model`` (it would not be a reference)."""
-    if resolve_checkpoint(spec.model).modules:
-        raise ValueError(
-            f"{spec.model} is quantized; --model must be the unquantized drafter the reference is built "
-            "from. Pass quantized checkpoints as --variants."
-        )
-    config, state_dict = load_drafter_state_dict(spec.model, dtype=None)
-    state_dict.pop(
-        "embed_tokens.weight", None
-    )  # the target's embedding is used; free the drafter's copy now
-    target = spec.target or str(Path(spec.model) / TARGET_DIR)
-    embed, lm_head = load_target_heads(target, dtype=None)
-    heads = Heads(embed.to(spec.device), lm_head.to(spec.device))
-    reference = ReferenceDrafter.from_state_dict(
-        config,
-        state_dict,
-        embed_tokens=heads.embed,
-        lm_head=heads.lm_head,
-        compute_dtype=torch.float32,
-        device=spec.device,
-    )
-    return config, reference, heads
-
-
-def quantize_on_the_fly(
-    state_dict: dict[str, torch.Tensor], config: K3DSparkConfig, fmt: str, include: Sequence[str]
-) -> list[str]:
-    """Replace, in place, each included linear's weight by its ``fmt`` round trip; returns the modules.
-
-    Fused groups (gate/up per layer; q_a/kv_a across layers) share one global scale (NVFP4), as vLLM
-    requires and the quantizer writes.
-    """
-    kinds = formats.validate_include_kinds(include, fmt, config)
-    quant = formats.get(fmt)
-    modules = [s.name for s in checkpoint_modules(config) if s.kind in kinds]
-    global_scales: dict[str, torch.Tensor] = {}
-    if quant.has_global_scale:
-        for members in fused_module_groups(modules).values():
-            scale = quant.shared_global_scale(state_dict[f"{m}.weight"] for m in members)
-            global_scales.update(dict.fromkeys(members, scale))
-    for name in modules:
-        key = f"{name}.weight"
-        weight = state_dict[key]
-        state_dict[key] = quant.fake_quantize(weight, global_scale=global_scales.get(name)).to(
-            weight.dtype
-        )
-    return modules
-
-
-def variant_label(name: str) -> str:
-    return name if name in builtin_variants() else Path(name).name
-
-
-def check_same_model(
-    name: str,
-    state_dict: dict[str, torch.Tensor],
-    quantized: Container[str],
-    reference: ReferenceDrafter,
-) -> None:
-    """Refuse a variant whose unquantized tensors (modules not in ``quantized``) differ from the reference's.
-
-    Compared in the variant's loaded dtype, to which both sides were cast the same way.
-    """
-    ours = reference.state_dict()
-    differ = [
-        key
-        for key, tensor in state_dict.items()
-        if key.rpartition(".")[0] not in quantized
-        and key in ours
-        and not torch.equal(tensor, ours[key].to(tensor.device, tensor.dtype))
-    ]
-    if differ:
-        raise FindingError(
-            Finding(
-                f"variant {name} is not a build of the reference: {len(differ)} unquantized tensor(s) differ "
-                f"from the reference's ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})",
-                "quantize the --model checkpoint itself, or pass the --model it was quantized from",
-            )
-        )
-
-
-def load_variant(
-    name: str, spec: EvalSpec, config: K3DSparkConfig, heads: Heads, reference: ReferenceDrafter
-) -> tuple[ReferenceDrafter, str]:
-    """A BF16-computed variant and a description of where its weights came from."""
-    if name in default_variants():
-        _, state_dict = load_drafter_state_dict(spec.model, dtype=torch.bfloat16)
-        state_dict.pop("embed_tokens.weight", None)
-        source = f"{spec.model} in BF16"
-        if name != "bf16":
-            modules = quantize_on_the_fly(state_dict, config, name, spec.include_layers)
-            source = f"{spec.model}, {len(modules)} modules quantized to {name} on the fly, dequantized to BF16"
-    elif Path(name).is_dir():
-        variant_config, state_dict = load_drafter_state_dict(name, dtype=torch.bfloat16)
-        state_dict.pop("embed_tokens.weight", None)
-        if tensor_shapes(variant_config) != tensor_shapes(config):
-            raise ValueError(
-                f"variant {name} is not a build of {spec.model}: its config implies different shapes"
-            )
-        plan = resolve_checkpoint(name)
-        check_same_model(name, state_dict, plan.modules, reference)
-        stored = sorted(set(plan.modules.values()))
-        source = f"checkpoint {name} ({'quantized: ' + ', '.join(stored) if stored else 'unquantized'}), in BF16"
-    else:
-        raise ValueError(
-            f"unknown variant {name!r}: use one of {', '.join(builtin_variants())} "
-            "or a checkpoint directory"
-        )
-    drafter = ReferenceDrafter.from_state_dict(
-        config,
-        state_dict,
-        embed_tokens=heads.embed,
-        lm_head=heads.lm_head,
-        compute_dtype=torch.bfloat16,
-        device=spec.device,
-    )
-    return drafter, source
 
 
 # ----- passes -----
@@ -484,7 +340,7 @@ def run(spec: EvalSpec) -> dict[str, Any]:
     """Evaluate every variant on every (regime, position) cell; returns the JSON-ready results."""
     timing: dict[str, float] = {}
     t0 = time.perf_counter()
-    config, reference, heads = load_reference(spec)
+    config, reference, heads = load_reference(spec.model, target=spec.target, device=spec.device)
     validate(spec, config)
     timing["load_reference_s"] = time.perf_counter() - t0
 
@@ -520,12 +376,20 @@ def run(spec: EvalSpec) -> dict[str, Any]:
             t0 = time.perf_counter()
             if name == SELF_CHECK:
                 # Loaded again from disk: comparing the reference object with itself would prove nothing.
-                _, variant, _ = load_reference(spec)
+                _, variant, _ = load_reference(spec.model, target=spec.target, device=spec.device)
                 sources[label] = (
                     "a second FP32 reference, loaded independently (FP32 weights, FP32 compute)"
                 )
             else:
-                variant, sources[label] = load_variant(name, spec, config, heads, reference)
+                variant, sources[label] = load_variant(
+                    name,
+                    spec.model,
+                    config,
+                    heads,
+                    reference,
+                    include_layers=spec.include_layers,
+                    device=spec.device,
+                )
             timing[f"load_{label}_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             with tqdm(total=total, desc=label, unit="block", disable=not spec.progress) as bar:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from vllm_dspark.plots import pyplot
 
 # (key, column header, formatter kind)
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -153,20 +154,6 @@ def markdown(results: dict[str, Any]) -> str:
 # ----- plots -----
 
 
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        warnings.warn(
-            "matplotlib is not installed (pip install 'vllm_dspark[plots]'); skipping the PNG plots."
-        )
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _axes_row(plt, n: int, width: float = 4.2, height: float = 3.4):
     # A single panel still needs room for the figure title.
     fig, axes = plt.subplots(1, n, figsize=(max(width * n, 6.5), height), squeeze=False)
@@ -289,7 +276,7 @@ def plot_positions(results: dict[str, Any], path: Path, plt) -> None:
 
 def write_plots(results: dict[str, Any], out: Path) -> list[Path]:
     """Write the PNGs into ``out``; returns their paths (none without matplotlib)."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     plots = [

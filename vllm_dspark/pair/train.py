@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from vllm_dspark.drift.regimes import target_states
 from vllm_dspark.pair import PairSizes
+from vllm_dspark.reference.target import target_states
 
 SPECIALS = ("<|endoftext|>", "<|pad|>", "<|mask|>")
 HELDOUT_MODULUS = 10  # sha256(relative path) % 10 == 0 -> held out (about 10 % of files)
@@ -371,11 +371,11 @@ def greedy_acceptance(target, drafter, prompts: list[dict], new_tokens: int) -> 
 
 
 def _plot(path: Path, target_curve: list[dict], drafter_curve: list[dict]) -> None:
-    import matplotlib
+    from vllm_dspark.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].plot([r["step"] for r in target_curve], [r["loss"] for r in target_curve])
     axes[0].set(title="target: next-token cross-entropy", xlabel="step", ylabel="nats")

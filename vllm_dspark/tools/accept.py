@@ -82,11 +82,26 @@ def main(argv: list[str] | None = None) -> int:
         )
     checkpoints = [v for v in args.variants if Path(v).is_dir()]
     check_output(args.out, [args.target, args.drafter, args.prompts, *checkpoints], flag="--out")
-    from vllm_dspark.drift.acceptance import run, summary_lines, write_report
+    from vllm_dspark.drift.acceptance import AcceptSpec, run, summary_lines, write_report
 
+    spec = AcceptSpec(
+        target=args.target,
+        drafter=args.drafter,
+        variants=tuple(args.variants),
+        prompts=args.prompts,
+        num_prompts=args.num_prompts,
+        prompt_len=args.prompt_len,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        scheduled=args.scheduled,
+        token_cost=args.token_cost,
+        seed=args.seed,
+        resamples=args.resamples,
+        progress=not args.no_progress,
+    )
     with staged(args.out, directory=True, merge=True) as staging:
         t0 = time.perf_counter()
-        results = run(args)
+        results = run(spec)
         results["timing"]["total_s"] = time.perf_counter() - t0
         files = [args.out / f.name for f in write_report(results, staging)]
     print("\n".join(summary_lines(results)))
