@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint import formats, quant_config
 from vllm_dspark.checkpoint.layout import tensor_shapes
 from vllm_dspark.checkpoint.presets import preset_config, preset_config_json
 from vllm_dspark.checkpoint.st_io import Entry, SafetensorsWriter, save_tensors
@@ -156,7 +156,7 @@ def test_fp8_checkpoint_is_dequantized_once_at_load(tiny_checkpoint: Path, tmp_p
         "context_proj",
     )
     config_json = read_config_json(tiny_checkpoint)
-    config_json["quantization_config"] = formats.quantization_config("fp8", kinds, config)
+    config_json["quantization_config"] = quant_config.quantization_config("fp8", kinds, config)
     quantized_names = declared(config, config_json["quantization_config"])
     assert len(quantized_names) == 5 * config.num_hidden_layers + 1  # 5 per layer + context_proj
 

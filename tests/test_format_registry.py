@@ -12,7 +12,7 @@ import torch
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 
-from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint import formats, quant_config
 from vllm_dspark.checkpoint.formats import TensorSpec
 
 
@@ -171,10 +171,10 @@ def test_quantization_config_written_without_the_library_is_the_librarys_own(tar
     """The library-free writer, read back by compressed-tensors, is exactly what it writes itself."""
     from compressed_tensors.quantization import QuantizationConfig
 
-    ours = formats.compressed_tensors_config(targets, ignore=["re:.*z$"])
+    ours = quant_config.compressed_tensors_config(targets, ignore=["re:.*z$"])
     read = QuantizationConfig.model_validate(ours).model_dump(mode="json")
     assert read == _library_config(targets, ["re:.*z$"])
-    assert formats.group_formats(ours) == {f"group_{i}": fmt for i, fmt in enumerate(targets)}
+    assert quant_config.group_formats(ours) == {f"group_{i}": fmt for i, fmt in enumerate(targets)}
 
 
 def test_quantizing_fp8_imports_neither_compressed_tensors_nor_transformers(

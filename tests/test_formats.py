@@ -10,7 +10,7 @@ import pytest
 import torch
 from compressed_tensors.compressors.mx_utils import decompress_mx_scale
 
-from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint import formats, quant_config
 from vllm_dspark.checkpoint.layout import FP8_RECIPE, checkpoint_modules, fused_module_groups
 from vllm_dspark.checkpoint.presets import preset_config
 from vllm_dspark.checkpoint.quant_plan import declared
@@ -122,7 +122,7 @@ def test_fused_module_groups_span_layers_for_q_a_and_kv_a() -> None:
 def test_k3_fp8_recipe_matches_the_published_build() -> None:
     config = preset_config("k3")
     specs = checkpoint_modules(config)
-    qc = formats.quantization_config("fp8", FP8_RECIPE, config)
+    qc = quant_config.quantization_config("fp8", FP8_RECIPE, config)
     quantized = declared(config, qc)
     assert (
         len(specs) - len(quantized) == 41
@@ -136,7 +136,7 @@ def test_k3_fp8_recipe_matches_the_published_build() -> None:
     assert all(
         t.startswith("re:") for t in qc["config_groups"]["group_0"]["targets"] + qc["ignore"]
     )
-    assert formats.format_of(qc) == "fp8"
+    assert quant_config.format_of(qc) == "fp8"
     json.dumps(qc)  # goes into config.json as is
 
 
@@ -149,22 +149,22 @@ def test_k3_fp8_recipe_matches_the_published_build() -> None:
     ],
 )
 def test_quantization_config_format_strings(fmt: str, format_string: str) -> None:
-    qc = formats.quantization_config(fmt, FP8_RECIPE, preset_config("tiny"))
+    qc = quant_config.quantization_config(fmt, FP8_RECIPE, preset_config("tiny"))
     assert qc["format"] == qc["config_groups"]["group_0"]["format"] == format_string
     assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
     assert qc["config_groups"]["group_0"]["input_activations"] is None
-    assert formats.format_of(qc) == fmt
+    assert quant_config.format_of(qc) == fmt
 
 
 def test_format_of_accepts_float_quantized_fp8_and_refuses_pack_quantized() -> None:
-    qc = formats.quantization_config("fp8", FP8_RECIPE, preset_config("tiny"))
+    qc = quant_config.quantization_config("fp8", FP8_RECIPE, preset_config("tiny"))
     qc["format"] = qc["config_groups"]["group_0"]["format"] = "float-quantized"
-    assert formats.format_of(qc) == "fp8"
+    assert quant_config.format_of(qc) == "fp8"
     qc["format"] = qc["config_groups"]["group_0"]["format"] = "pack-quantized"
     with pytest.raises(
         ValueError, match="vLLM loads fp8 only as naive-quantized or float-quantized"
     ):
-        formats.format_of(qc)
+        quant_config.format_of(qc)
 
 
 @pytest.mark.parametrize(
@@ -188,21 +188,21 @@ def test_format_of_accepts_float_quantized_fp8_and_refuses_pack_quantized() -> N
 )
 def test_include_layers_refusals(kinds: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        formats.validate_include_kinds(kinds, "fp8", preset_config("tiny"))
+        quant_config.validate_include_kinds(kinds, "fp8", preset_config("tiny"))
 
 
 def test_group_formats_refuse_in_features_their_groups_do_not_divide() -> None:
     config = preset_config(
         "tiny", q_lora_rank=40
     )  # q_b_proj in_features 40: not a multiple of 32 or 16
-    assert formats.validate_include_kinds(["self_attn.q_b_proj"], "fp8", config) == (
+    assert quant_config.validate_include_kinds(["self_attn.q_b_proj"], "fp8", config) == (
         "self_attn.q_b_proj",
     )
     with pytest.raises(
         ValueError,
         match=r"mxfp4 quantizes groups of 32 input columns.*self_attn.q_b_proj \(in_features 40\)",
     ):
-        formats.validate_include_kinds(["self_attn.q_b_proj"], "mxfp4", config)
+        quant_config.validate_include_kinds(["self_attn.q_b_proj"], "mxfp4", config)
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def vllm_config_of(tmp_path_factory: pytest.TempPathFactory):
     def build(fmt: str):
         model_dir = tmp_path_factory.mktemp(f"vllm-{fmt}")
         config_json = preset_config_json("tiny")
-        config_json["quantization_config"] = formats.quantization_config(
+        config_json["quantization_config"] = quant_config.quantization_config(
             fmt, FP8_RECIPE, preset_config("tiny")
         )
         (model_dir / "config.json").write_text(json.dumps(config_json))
@@ -265,27 +265,27 @@ def test_vllm_loads_the_fp8_config_as_w8a16_at_runtime_names(vllm_config_of) -> 
     )
 
     vllm_config = vllm_config_of("fp8")
-    quant_config = vllm_config.quant_config
-    assert isinstance(quant_config, CompressedTensorsConfig)
+    vllm_qc = vllm_config.quant_config
+    assert isinstance(vllm_qc, CompressedTensorsConfig)
     layer = torch.nn.Linear(1, 1)  # get_scheme only reads the class name, for class-name targets
     with set_current_vllm_config(vllm_config):  # the W8A16 scheme reads the model dtype from it
         for name in INCLUDED_RUNTIME:
-            scheme = quant_config.get_scheme(layer, layer_name=name)
+            scheme = vllm_qc.get_scheme(layer, layer_name=name)
             assert isinstance(scheme, CompressedTensorsW8A16Fp8), name
             assert scheme.weight_quant.strategy == "channel" and not scheme.is_static_input_scheme
         for name in IGNORED_RUNTIME:
-            assert quant_config.get_scheme(layer, layer_name=name) is None, name
+            assert vllm_qc.get_scheme(layer, layer_name=name) is None, name
 
 
 @pytest.mark.vllm_api
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_vllm_reads_the_4bit_configs_at_runtime_names(vllm_config_of, fmt: str) -> None:
     # The 4-bit schemes pick a GPU kernel when built, so this stops at the parsed weight args.
-    quant_config = vllm_config_of(fmt).quant_config
-    is_fmt = quant_config._is_mxfp4 if fmt == "mxfp4" else quant_config._is_nvfp4_format
+    vllm_qc = vllm_config_of(fmt).quant_config
+    is_fmt = vllm_qc._is_mxfp4 if fmt == "mxfp4" else vllm_qc._is_nvfp4_format
     layer = torch.nn.Linear(1, 1)
     for name in INCLUDED_RUNTIME:
-        scheme = quant_config.get_scheme_dict(layer, layer_name=name)
+        scheme = vllm_qc.get_scheme_dict(layer, layer_name=name)
         assert is_fmt(scheme["weights"]) and scheme["input_activations"] is None, name
     for name in IGNORED_RUNTIME:
-        assert quant_config.get_scheme_dict(layer, layer_name=name) is None, name
+        assert vllm_qc.get_scheme_dict(layer, layer_name=name) is None, name

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint import formats, quant_config
 from vllm_dspark.checkpoint.layout import (
     FUSED_GROUPS,
     QUANTIZABLE_KINDS,
@@ -204,8 +204,8 @@ class _Config:
     @classmethod
     def parse(cls, quantization_config: Mapping[str, Any]) -> _Config:
         try:
-            group_formats = formats.group_formats(dict(quantization_config))
-            qc = formats.parse_quantization_config(dict(quantization_config))
+            group_formats = quant_config.group_formats(dict(quantization_config))
+            qc = quant_config.parse_quantization_config(dict(quantization_config))
         except ValueError as e:
             raise QuantPlanError(
                 Finding(
@@ -379,4 +379,4 @@ def vllm_quantization_config(
             targets.setdefault(plan.modules[spec.name], []).append(
                 runtime_name(spec, start_layer_id, prefix)
             )
-    return formats.compressed_tensors_config(targets, ignore=[])
+    return quant_config.compressed_tensors_config(targets, ignore=[])

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint import formats, quant_config
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
     REPORT_NAME,
@@ -121,7 +121,7 @@ class _Plan:
         """The output's config.json: the input's with its ``quantization_config``."""
         return dict(
             self.source_config_json,
-            quantization_config=formats.quantization_config(fmt, self.kinds, self.config),
+            quantization_config=quant_config.quantization_config(fmt, self.kinds, self.config),
         )
 
 
@@ -140,7 +140,7 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
             "quantization_config and tensors). Quantize the BF16 checkpoint instead; quantizing twice "
             "compounds the error."
         )
-    kinds = formats.validate_include_kinds(include_layers, fmt, config)
+    kinds = quant_config.validate_include_kinds(include_layers, fmt, config)
     validate_tensor_shapes(
         {k: t.shape for k, t in stored.items()},
         tensor_shapes(config),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint import formats, quant_config
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
     TARGET_DIR,
@@ -70,7 +70,7 @@ def quantize_on_the_fly(
     Fused groups (gate/up per layer; q_a/kv_a across layers) share one global scale (NVFP4), as vLLM
     requires and the quantizer writes.
     """
-    kinds = formats.validate_include_kinds(include, fmt, config)
+    kinds = quant_config.validate_include_kinds(include, fmt, config)
     quant = formats.get(fmt)
     modules = [s.name for s in checkpoint_modules(config) if s.kind in kinds]
     global_scales: dict[str, torch.Tensor] = {}
