@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def tiny_mla_target(tmp_path_factory: pytest.TempPathFactory):
     """config.json of a tiny DeepSeek-V3 (MLA) target of the geometry the ``tiny`` drafter expects."""
     from vllm_dspark.checkpoint.presets import preset_config
-    from vllm_dspark.checkpoint.store import write_target_config
+    from vllm_dspark.checkpoint.save import write_target_config
 
     return write_target_config(preset_config("tiny"), tmp_path_factory.mktemp("tiny_mla_target"))
 

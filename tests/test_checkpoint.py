@@ -17,13 +17,13 @@ from safetensors.torch import save_file
 from vllm_dspark.checkpoint import formats, quant_config
 from vllm_dspark.checkpoint.layout import tensor_shapes
 from vllm_dspark.checkpoint.presets import preset_config, preset_config_json
+from vllm_dspark.checkpoint.save import save_drafter
 from vllm_dspark.checkpoint.st_io import Entry, SafetensorsWriter, save_tensors
 from vllm_dspark.checkpoint.store import (
     load_config,
     load_drafter_state_dict,
     load_target_heads,
     read_config_json,
-    save_drafter,
 )
 from vllm_dspark.checkpoint_tools.make_random import make_random, random_drafter_tensors
 from vllm_dspark.reference.drafter import ReferenceDrafter
@@ -408,7 +408,8 @@ def test_make_random_like_takes_the_targets_geometry_and_heads(
 
     from transformers import DeepseekV3ForCausalLM
 
-    from vllm_dspark.checkpoint.store import load_config, load_target_heads, mla_target_config
+    from vllm_dspark.checkpoint.save import mla_target_config
+    from vllm_dspark.checkpoint.store import load_config, load_target_heads
     from vllm_dspark.checkpoint_tools.make_random import aux_layer_ids
     from vllm_dspark.tools.cli import main as cli_main
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,16 +26,12 @@ from vllm_dspark.checkpoint.formats import TensorSpec
 from vllm_dspark.checkpoint.layout import checkpoint_modules
 from vllm_dspark.checkpoint.quant_plan import QuantPlan, QuantPlanError, is_stray, resolve
 from vllm_dspark.checkpoint.st_io import (
-    Entry,
-    SafetensorsWriter,
     StoredTensor,
     TensorReader,
     read_header,
     read_tensor,
 )
 from vllm_dspark.fields import (
-    GEOMETRY_FIELDS,
-    MLA_FIELDS,
     DrafterFields,
     check_identity,
     parse_fields,
@@ -45,8 +40,6 @@ from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.finite import invalid_scale_count
 
 if TYPE_CHECKING:
-    from transformers import DeepseekV3Config
-
     from vllm_dspark.config import K3DSparkConfig
 
 CONFIG_NAME = "config.json"
@@ -54,10 +47,8 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 TARGET_EMBED_KEY = "model.embed_tokens.weight"
 TARGET_LM_HEAD_KEY = "lm_head.weight"
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the HF default, "5GB"
 
 _LOG = logging.getLogger(__name__)
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _MAX_LISTED_PROBLEMS = 12
 
 
@@ -380,7 +371,7 @@ def load_drafter_state_dict(
     ones are fp32 (the exact dequantized values, for an FP32 reference).
 
     Tensors that need no conversion are memory-mapped (copy-on-write) from the shards: loading is
-    instant, and processes reading the same checkpoint share its pages. :func:`save_drafter` replaces
+    instant, and processes reading the same checkpoint share its pages. :func:`~vllm_dspark.checkpoint.save.save_drafter` replaces
     files atomically, so rewriting a checkpoint never changes a mapped one under a running reader.
     """
     model_dir = Path(model_dir)
@@ -489,107 +480,3 @@ def load_target_heads(
             f"{tuple(lm_head.shape)} must both be [vocab_size, hidden_size]."
         )
     return embed, lm_head
-
-
-# ----- writing -----
-
-
-def mla_target_config(geometry: Mapping[str, int], **overrides: Any) -> DeepseekV3Config:
-    """A DeepSeek-V3 (MLA) target config of ``geometry`` (every ``GEOMETRY_FIELDS`` entry): dense,
-    untied heads, unless ``overrides`` say otherwise."""
-    from transformers import DeepseekV3Config
-
-    fields = {
-        "moe_intermediate_size": geometry["intermediate_size"],
-        "first_k_dense_replace": geometry["num_hidden_layers"],
-        "num_key_value_heads": geometry["num_attention_heads"],
-        "n_group": 1,
-        "topk_group": 1,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-    }
-    config = DeepseekV3Config(
-        **{**fields, **{f: geometry[f] for f in GEOMETRY_FIELDS}, **overrides}
-    )
-    config.architectures = ["DeepseekV3ForCausalLM"]
-    return config
-
-
-def write_target_config(drafter: K3DSparkConfig, out_dir: str | Path) -> Path:
-    """A DeepSeek-V3 (MLA) target config.json with the geometry ``drafter`` expects of its target.
-
-    Hidden size, depth and vocabulary come from the drafter's ``target_*`` fields; the MLA shape is
-    the drafter's own, so the target's latent cache and the draft's agree (576 for Kimi-K3).
-    """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hidden = drafter.target_hidden_size
-    geometry = {
-        "vocab_size": drafter.vocab_size,
-        "hidden_size": hidden,
-        "intermediate_size": 2 * hidden,
-        "num_hidden_layers": drafter.target_num_hidden_layers,
-        **{f: getattr(drafter, f) for f in MLA_FIELDS},
-    }
-    # A MoE target after its first layer, as Kimi-K3 is.
-    config = mla_target_config(
-        geometry,
-        moe_intermediate_size=hidden // 2,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-    )
-    config.save_pretrained(out_dir)
-    return out_dir
-
-
-def save_drafter(
-    model_dir: str | Path,
-    config_json: Mapping[str, Any],
-    tensors: Iterable[tuple[str, torch.Tensor]],
-    *,
-    entries: Sequence[Entry] | None = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> None:
-    """Write a drafter directory: shards ``model-0000i-of-0000n.safetensors``, the index, config.json.
-
-    With ``entries`` (every tensor's :class:`Entry`, in order) ``tensors`` may be a generator, consumed
-    one tensor at a time. ``config.json`` is written last: a directory that has one is complete.
-    """
-    model_dir = Path(model_dir)
-    if entries is None:
-        tensors = list(tensors)
-        entries = [Entry.of(key, tensor) for key, tensor in tensors]
-    if not entries:
-        raise ValueError("save_drafter: no tensors to write.")
-    shards: list[list[Entry]] = [[]]
-    size = 0
-    for entry in entries:
-        if shards[-1] and size + entry.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += entry.nbytes
-
-    model_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [
-        model_dir / INDEX_NAME,
-        model_dir / SINGLE_FILE_NAME,
-        model_dir / CONFIG_NAME,
-        *(p for p in model_dir.iterdir() if _SHARD_RE.match(p.name)),
-    ]:
-        stale.unlink(missing_ok=True)
-    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    stream = iter(tensors)
-    for name, planned in zip(names, shards):
-        with SafetensorsWriter(model_dir / name, planned) as writer:
-            for _ in planned:
-                writer.write(*next(stream))
-    weight_map = {entry.key: name for name, planned in zip(names, shards) for entry in planned}
-    index = {
-        "metadata": {"total_size": sum(e.nbytes for e in entries)},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-    (model_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    (model_dir / CONFIG_NAME).write_text(json.dumps(dict(config_json), indent=2) + "\n")

@@ -27,14 +27,9 @@ from vllm_dspark.checkpoint.layout import (
     tensor_shapes,
 )
 from vllm_dspark.checkpoint.presets import preset_config_json
+from vllm_dspark.checkpoint.save import save_drafter, write_target_config
 from vllm_dspark.checkpoint.st_io import Entry, SafetensorsWriter, save_tensors
-from vllm_dspark.checkpoint.store import (
-    TARGET_EMBED_KEY,
-    TARGET_LM_HEAD_KEY,
-    load_target_heads,
-    save_drafter,
-    write_target_config,
-)
+from vllm_dspark.checkpoint.store import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY, load_target_heads
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.fields import GEOMETRY_FIELDS, MLA_FIELDS
 from vllm_dspark.findings import Finding, FindingError

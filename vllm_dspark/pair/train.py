@@ -159,7 +159,7 @@ def heldout_prompts(
 
 def target_config(sizes: PairSizes, vocab_size: int):
     """A dense DeepSeek-V3 MLA config with Kimi-K3's latent (kv_lora_rank 512 + rope 64)."""
-    from vllm_dspark.checkpoint.store import mla_target_config
+    from vllm_dspark.checkpoint.save import mla_target_config
 
     geometry = {
         "vocab_size": vocab_size,

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from vllm_dspark.checkpoint.layout import TARGET_HEADS
-from vllm_dspark.checkpoint.store import load_target_heads, write_target_config
+from vllm_dspark.checkpoint.save import write_target_config
+from vllm_dspark.checkpoint.store import load_target_heads
 from vllm_dspark.compat import configs_without_an_engine
 
 
