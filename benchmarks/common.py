@@ -260,7 +260,7 @@ def preset_drafter(path: Path | None, preset: str) -> Path:
 def environment() -> dict[str, Any]:
     import torch
 
-    from vllm_dspark.reference.drafter import native_bf16_gemm
+    from vllm_dspark.reference.gemm import native_bf16_gemm
 
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import vllm_dspark.reference.drafter as reference
+import vllm_dspark.reference.gemm as gemm
 from vllm_dspark.checkpoint.presets import preset_config
 from vllm_dspark.checkpoint_tools.make_random import (
     random_drafter_tensors,
@@ -288,10 +288,10 @@ def test_linear_upcasts_large_weights_in_slabs(monkeypatch) -> None:
     x = torch.randn(3, 64, generator=g)
     w = torch.randn(100, 64, generator=g).to(torch.bfloat16)
     bias = torch.randn(100, generator=g)
-    whole = reference.linear(x, w, bias)
-    monkeypatch.setattr(reference, "_UPCAST_CHUNK_ELEMENTS", 64 * 7)
-    monkeypatch.setattr(reference, "_MIN_SLAB_ROWS", 1)  # 15 slabs of 7 rows (the last one shorter)
-    torch.testing.assert_close(reference.linear(x, w, bias), whole, rtol=1e-5, atol=1e-5)
+    whole = gemm.linear(x, w, bias)
+    monkeypatch.setattr(gemm, "_UPCAST_CHUNK_ELEMENTS", 64 * 7)
+    monkeypatch.setattr(gemm, "_MIN_SLAB_ROWS", 1)  # 15 slabs of 7 rows (the last one shorter)
+    torch.testing.assert_close(gemm.linear(x, w, bias), whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(whole, x @ w.float().T + bias, rtol=1e-5, atol=1e-5)
 
 
@@ -301,13 +301,13 @@ def test_bf16_products_without_native_bf16_gemm_match_torchs_bf16_gemm(
 ) -> None:
     """On CPUs without AVX-512 the BF16 product runs as an FP32 GEMM of the BF16 values: it must give
     torch's own BF16 GEMM (FP32 accumulation) up to the output's rounding. Up to 16 rows it stays native."""
-    monkeypatch.setattr(reference, "native_bf16_gemm", lambda: native)
+    monkeypatch.setattr(gemm, "native_bf16_gemm", lambda: native)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(200, 300, generator=g).to(torch.bfloat16)
     bias = torch.randn(200, generator=g).to(torch.bfloat16)
     for rows in (16, 17):
         x = torch.randn(rows, 300, generator=g).to(torch.bfloat16)
-        out = reference.linear(x, w, bias)
+        out = gemm.linear(x, w, bias)
         assert out.dtype == torch.bfloat16
         exact = x.double() @ w.double().T + bias.double()
         # Within one BF16 rounding (2^-8 relative) of the exact sum, as torch's BF16 GEMM is.
@@ -317,9 +317,9 @@ def test_bf16_products_without_native_bf16_gemm_match_torchs_bf16_gemm(
         if native or rows <= 16:
             assert torch.equal(out, native_out)
         else:  # the FP32 GEMM of the BF16 values, rounded once
-            assert torch.equal(out, reference.linear(x.float(), w, bias).to(torch.bfloat16))
+            assert torch.equal(out, gemm.linear(x.float(), w, bias).to(torch.bfloat16))
     q = torch.randn(2, 3, 4, 300, generator=g).to(torch.bfloat16)
-    out = reference.einsum("bnhp,hpl->bnhl", q, w.view(4, 50, 300).transpose(1, 2))
+    out = gemm.einsum("bnhp,hpl->bnhl", q, w.view(4, 50, 300).transpose(1, 2))
     assert out.dtype == torch.bfloat16
     exact = torch.einsum("bnhp,hpl->bnhl", q.double(), w.view(4, 50, 300).transpose(1, 2).double())
     torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-6)
