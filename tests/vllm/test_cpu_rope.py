@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAIR = ROOT / "tests" / "data" / "pair"
 NOPE, ROPE, LATENT, HEADS, TOKENS = 32, 64, 512, 2, 5
 

@@ -23,7 +23,7 @@ import pytest
 from benchmarks.common import MIN_PAIRS, meets, paired, rounds, spread, spread_text
 from benchmarks.registry import BENCHMARKS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SMOKE_ARGS: dict[str, list[str]] = {
     "reference": ["--preset", "tiny", "--pairs", "1", "--warmup", "0", "--context-len", "8"],
@@ -49,7 +49,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
 
 
 # Smoke-run where their input already exists: e2e-cpu tabulates the end-to-end run of
-# tests/test_dspark_serving.py, which takes minutes to make.
+# tests/serving/test_dspark_serving.py, which takes minutes to make.
 SMOKED_ELSEWHERE = {"e2e-cpu"}
 
 

@@ -31,7 +31,7 @@ from vllm_dspark.doctor.facts import MachineFacts
 from vllm_dspark.findings import errors
 from vllm_dspark.tools import doctor as cli
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPTS = sorted(EXAMPLES.glob("serve_*.sh"))
 CPU_SCRIPT = EXAMPLES / "serve_cpu.sh"
 SHELL_FILES = sorted(EXAMPLES.glob("*.sh"))  # the recipes and the _serve_common.sh they source

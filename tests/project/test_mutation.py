@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = (
     "vllm_dspark.ops.rope.*",
     "vllm_dspark.ops.sampling.x_markov_rollout__mutmut_*",

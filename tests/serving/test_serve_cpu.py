@@ -24,7 +24,7 @@ from tests.support.examples import load_example
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 6
 PROMPTS = ["w11 w250 w3000 w42 w7 w900 w12", "w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15"]
 

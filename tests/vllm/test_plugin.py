@@ -192,7 +192,7 @@ def test_an_amx_kernel_runs_after_the_plugins_request() -> None:
         pytest.skip("this CPU has no AMX tiles")
     out = subprocess.run(
         [sys.executable, "tests/support/amx_host_check.py"],
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
         capture_output=True,
         text=True,
         timeout=300,

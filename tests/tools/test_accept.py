@@ -13,7 +13,7 @@ import pytest
 from vllm_dspark.drift.metrics import acceptance_ceiling
 from vllm_dspark.tools.cli import main
 
-PAIR = Path(__file__).resolve().parent / "data" / "pair"
+PAIR = Path(__file__).resolve().parents[1] / "data" / "pair"
 MODELS = {"target": PAIR / "target", "drafter": PAIR / "drafter"}
 BLOCK = json.loads((PAIR / "drafter" / "config.json").read_text())["block_size"]
 

@@ -12,7 +12,7 @@ import torch
 
 from vllm_dspark.pair import train as tp
 
-PAIR = Path(__file__).parent / "data" / "pair"
+PAIR = Path(__file__).resolve().parents[1] / "data" / "pair"
 # A few seconds a run: every structural feature of the real pair (7-layer MLA target with the
 # 512 + 64 latent, 5 aux layers, block 7, Markov and confidence heads), tiny widths and step counts.
 TINY = tp.PairSizes(
