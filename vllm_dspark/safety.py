@@ -1,15 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Users' files are sacred: the guards every tool shares.
-
-- :func:`check_output` refuses an output path that is, lies inside, contains or is one of the inputs;
-- :func:`staged` builds an output beside its target and renames it into place only when complete;
-  an exception (a failure, Ctrl-C, or SIGTERM under :func:`signals_raise`) removes it instead,
-  and :func:`signals_raise` removes one that a signal left before its with-block began;
-- :func:`held_signals` defers a signal to the end of a step that must not be cut in two;
-- :func:`spill_dir` is a temporary folder for large scratch files, removed the same way;
-- staging and spill folders carry their writer's PID, so the next run removes those of a killed
-  process (SIGKILL leaves them behind) and says so;
-"""
+"""Users' files are sacred: the output guard, staged outputs, spill folders and signal handling every tool
+shares (docs/bad-input.md)."""
 
 from __future__ import annotations
 

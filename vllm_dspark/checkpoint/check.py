@@ -1,13 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-dspark check DIR``: structural verification of a drafter checkpoint before serving it.
-
-Reads only safetensors headers and the scale tensors. It verifies that config.json is a valid K3
-DSpark config and every shard agrees with the index; the quantization plan
-(:mod:`vllm_dspark.checkpoint.quant_plan`, the one every loader uses); every tensor's dtype and shape against
-that plan, with none missing or unexpected (stray ``lm_head`` / disabled ``confidence_head``
-tensors are a warning); and that scales are finite and NVFP4 fused shards share one global scale.
-Each violation is one :class:`~vllm_dspark.findings.Finding` naming the tensor or module and the fix.
-"""
+"""``vllm-dspark check DIR``: a checkpoint verified from headers and scales before serving (docs/tools/quantize.md)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Which checkpoint module is stored in which format: the one quantization plan every tool uses.
-
-The stored tensors say which formats each module can be (the registered formats recognise their
-own tensors from the headers); ``quantization_config`` is matched by compressed-tensors' own
-``is_match`` under every name a module has (checkpoint, ``model.``, vLLM's runtime layer number,
-the fused layer). Agreement is served; entries that match nothing but, read as suffixes or globs,
-describe the tensors are served with one warning naming the rewrite; a conflict is a
-:class:`QuantPlanError` naming the module and the fix. Every tool and loader asks :func:`resolve`;
-:func:`vllm_quantization_config` is the normalized config vLLM gets.
-"""
+"""Which checkpoint module is stored in which format: the one quantization plan every tool and loader
+asks, and the normalized config vLLM gets (docs/encodings.md)."""
 
 from __future__ import annotations
 

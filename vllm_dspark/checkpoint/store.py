@@ -1,14 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Reading and writing K3 DSpark drafter directories.
-
-A drafter directory holds ``config.json`` (a ``K3DSparkConfig``, plus a compressed-tensors
-``quantization_config`` when quantized) and its weights under the HF key names of
-:mod:`vllm_dspark.checkpoint.layout`, as ``model.safetensors`` or as shards listed in
-``model.safetensors.index.json``. The target's embedding and lm_head, which the drafter shares,
-live in the target's own directory or in the ``target/`` directory ``vllm-dspark make-random``
-writes. Every way a checkpoint can disagree with its config is one ``ValueError`` naming each
-offending tensor and the shape the config implies, before any weight is read.
-"""
+"""Reading drafter directories: config.json, shard headers, tensors and the target's shared heads, each
+mismatch with the config named before any weight is read (writing is :mod:`vllm_dspark.checkpoint.save`)."""
 
 from __future__ import annotations
 

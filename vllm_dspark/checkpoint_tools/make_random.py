@@ -1,13 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-dspark make-random``: a random K3 DSpark drafter in exactly the real on-disk layout.
-
-Writes ``OUT/config.json`` (the preset's config), BF16 shards with HF key names and their index
-(``embed_tokens.weight`` included, as published), and the target's shared heads and a DeepSeek-V3
-MLA config of the matching geometry in ``OUT/target/``. Linears are ``N(0, 1/fan_in)`` with
-lognormal per-channel scales and a few outlier input channels, so quantization error means
-something; norms are ``1 +- 0.05``. Each tensor has its own generator seeded from ``(--seed,
-tensor name)``, and tensors are generated and written one at a time.
-"""
+"""``vllm-dspark make-random``: a random drafter in exactly the real on-disk layout, with realistic weight
+statistics (docs/tools/make-random.md)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-dspark quantize``: weight-only quantization of a drafter checkpoint to any registered format.
-
-Writes the compressed-tensors format vLLM's loader reads: the included linears are replaced by
-their quantized tensors (:mod:`vllm_dspark.checkpoint.formats`), every other tensor is copied bit-identical,
-and config.json gains one ``quantization_config`` with index-agnostic ``re:`` targets (vLLM
-renumbers the draft layers after the target's). Tensors stream through in row chunks on
-``--workers`` threads (default: one per core), so peak memory stays at a few chunks. A report
-(``quantization_report.json`` and ``.md``) gives params, sizes and weight SNR per module.
-No calibration, and SmoothQuant stays off: why is in docs/tools/quantize.md.
-"""
+"""``vllm-dspark quantize``: a drafter to any registered weight-only format, streamed in row chunks, in the
+compressed-tensors layout vLLM loads (docs/tools/quantize.md)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Kimi-K3 DSpark drafter for vLLM's ``dspark`` speculative method (``K3DSparkForCausalLM``).
-
-It replaces vLLM's in-tree ``kimi_k3.nvidia.dspark_mla`` drafter with the same model (dense MLA layers
-drafting a non-causal block over context latents from the target's aux hidden states, a low-rank
-Markov head, a confidence head) that also serves quantized checkpoints and runs off-GPU. Its module
-tree is the checkpoint's under ``model.`` plus vLLM's usual fusions and ``context_kv_proj`` (every
-layer's ``kv_a_proj_with_mqa`` in one GEMM), as ``hf_to_vllm_mapper`` declares. One compressed-tensors
-config from :mod:`vllm_dspark.checkpoint.quant_plan` quantizes every layer. The embedding and lm_head
-are the target's; the heads and context projections are replicated, so every TP rank drafts alike.
-"""
+"""``K3DSparkForCausalLM``: the Kimi-K3 DSpark drafter for vLLM's ``dspark`` method, replacing the in-tree
+class so quantized builds load right and it runs off-GPU (docs/model-class.md)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-dspark``: one command, one subcommand per tool.
-
-Each subcommand lives in its own module with a ``main(argv) -> int``; the module is imported only
-when its subcommand runs, so ``vllm-dspark --help`` stays instant.
-
-:func:`main` is the one error boundary: expected failures (bad configuration or input, I/O, a corrupt
-safetensors file, JSON, text decoding) and interrupts become one line naming the problem and the fix,
-exit 2 (130 / 143 for SIGINT / SIGTERM). A traceback appears only with ``--debug`` or
-``VLLM_DSPARK_DEBUG=1``; anything else is a bug and keeps its traceback.
-"""
+"""``vllm-dspark``: one subcommand per tool, each imported only when it runs, inside one error boundary
+(expected failures are one line and exit 2; docs/bad-input.md)."""
 
 from __future__ import annotations
 
