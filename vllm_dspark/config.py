@@ -1,15 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``K3DSparkConfig``: the configuration of the Kimi-K3 DSpark drafter, with validation.
-
-``model_type`` stays ``k3_dspark``: vLLM hard-codes that string to detect an MLA model
-(``use_mla``), so the served drafter reports the target's 576-wide latent KV-cache spec and
-shares its pages. The class derives from ``DeepseekV3Config`` so that vLLM's generic config logic
-(head sizes, MLA detection, dense-vs-MoE) sees the fields it expects.
-
-Every field the model cannot honour is refused here, at config load, with a
-:class:`~vllm_dspark.findings.FindingError` (a ``ValueError``) naming the field and the fix,
-instead of surfacing later as a shape error deep inside torch.
-"""
+"""``K3DSparkConfig``: the drafter's config as vLLM's DeepSeek-V3 (MLA) config logic reads it; every field the
+model cannot honour is refused at load, by name (:mod:`vllm_dspark.fields`)."""
 
 from __future__ import annotations
 

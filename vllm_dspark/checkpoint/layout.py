@@ -1,14 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The on-disk layout of a K3 DSpark drafter checkpoint.
-
-One place says which modules a checkpoint holds, under which HF key names, with which shapes,
-which of them may be quantized and which must be fused at runtime. The reference drafter, the
-quantizer, the checker and the vLLM model class all read it, so they cannot disagree.
-
-Key names are those of the published ``Inferact/Kimi-K3-DSpark`` checkpoint (68 tensors for the
-real config: 12 per layer x 5, plus context_proj, context_norm, final_norm, the two Markov
-weights, the confidence head's weight and bias, and the shared ``embed_tokens``).
-"""
+"""The on-disk layout every part reads: module names, HF keys and shapes, quantizable kinds and fused groups,
+as the published checkpoint has them (68 tensors for the real config)."""
 
 from __future__ import annotations
 
