@@ -130,6 +130,16 @@ def test_no_module_imports_from_a_layer_above_it() -> None:
     assert not upward_imports()
 
 
+def test_only_the_tools_folder_imports_it() -> None:
+    """The one-line rule: nothing outside ``tools/`` imports ``tools/`` (command modules are entry points)."""
+    wrong = {
+        m: sorted(d for d in deps if FOLDERS[d] == "tools")
+        for m, deps in GRAPH.items()
+        if FOLDERS[m] != "tools" and any(FOLDERS[d] == "tools" for d in deps)
+    }
+    assert not wrong
+
+
 def test_a_planted_upward_import_is_caught(tmp_path: Path) -> None:
     """The check is live: the checkpoint layer importing the tools' CLI fails it."""
     package = tmp_path / "vllm_dspark"
