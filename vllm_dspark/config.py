@@ -9,7 +9,13 @@ from typing import Any
 from huggingface_hub.errors import StrictDataclassError
 from transformers import DeepseekV3Config
 
-from vllm_dspark.fields import MODEL_TYPE, KVLatent, validate_config, with_defaults
+from vllm_dspark.fields import (
+    DEFAULT_ROPE_THETA,
+    MODEL_TYPE,
+    KVLatent,
+    validate_config,
+    with_defaults,
+)
 from vllm_dspark.findings import Finding, FindingError
 
 
@@ -27,7 +33,7 @@ class K3DSparkConfig(KVLatent, DeepseekV3Config):
     model_type = MODEL_TYPE
     has_no_defaults_at_init = True
 
-    def __init__(self, rope_theta: float = 50000.0, **kwargs: Any) -> None:
+    def __init__(self, rope_theta: float = DEFAULT_ROPE_THETA, **kwargs: Any) -> None:
         try:
             super().__init__(**with_defaults(kwargs, rope_theta))
         except StrictDataclassError as e:

@@ -17,8 +17,6 @@ ARCHITECTURE = "K3DSparkModel"
 # vLLM hard-codes this string to detect an MLA model (use_mla).
 MODEL_TYPE = "k3_dspark"
 
-# Fields a drafter's config.json must state: DeepseekV3Config would otherwise default them to its own
-# (MoE model's) values, and the drafter would fail with dozens of shape errors, or load wrong.
 # The MLA shape, which the draft's latent pages share with the target's cache.
 MLA_FIELDS = (
     "num_attention_heads",
@@ -36,6 +34,8 @@ GEOMETRY_FIELDS = (
     "vocab_size",
     *MLA_FIELDS,
 )
+# Fields a drafter's config.json must state: DeepseekV3Config would otherwise default them to its own
+# (MoE model's) values, and the drafter would fail with dozens of shape errors, or load wrong.
 REQUIRED_FIELDS = (
     *GEOMETRY_FIELDS,
     "max_position_embeddings",
@@ -48,6 +48,7 @@ REQUIRED_FIELDS = (
     "block_size",
 )
 
+DEFAULT_ROPE_THETA = 50000.0
 YARN_REQUIRED_KEYS = ("factor", "original_max_position_embeddings")
 YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
@@ -72,7 +73,9 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def with_defaults(fields: Mapping[str, Any], rope_theta: float = 50000.0) -> dict[str, Any]:
+def with_defaults(
+    fields: Mapping[str, Any], rope_theta: float = DEFAULT_ROPE_THETA
+) -> dict[str, Any]:
     """``fields`` with every unset or null default filled and the rope block normalised."""
     out = dict(fields)
     derived = {
@@ -106,7 +109,7 @@ class DrafterFields(KVLatent, types.SimpleNamespace):
 def parse_fields(raw: Mapping[str, Any]) -> DrafterFields:
     """``raw`` (a drafter's config.json) checked and defaulted as ``K3DSparkConfig`` does it."""
     check_identity(raw)
-    fields = DrafterFields(**with_defaults(raw, raw.get("rope_theta", 50000.0)))
+    fields = DrafterFields(**with_defaults(raw, raw.get("rope_theta", DEFAULT_ROPE_THETA)))
     fields.rope_theta = float(fields.rope_parameters["rope_theta"])
     validate_config(fields)
     return fields

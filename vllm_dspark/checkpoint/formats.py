@@ -22,17 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_dspark.checkpoint.layout import (
-    QUANT_FORMATS,
-)
+from vllm_dspark.checkpoint.layout import QUANT_FORMATS
 
 if TYPE_CHECKING:
     from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationScheme,
-    )
-
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 # Rows per chunk hold about this many weights: the chunk stays in cache across compressed-tensors'
 # elementwise passes, and the FP4 packer's [rows, K, 8] float scratch stays small.
@@ -68,9 +62,8 @@ class QuantFormat:
     )
     format_strings: tuple[str, ...]  # the compressed-tensors format labels vLLM loads it from
     description: str  # one line for --help and error messages
-    contract = (
-        WEIGHT_FIELDS  # the weight args a config group must share with the scheme to be this format
-    )
+    # The weight args a config group must share with the scheme to be this format.
+    contract = WEIGHT_FIELDS
     has_global_scale = False
     # Its quantizer runs compressed-tensors' torch.compile'd rounding, which must run eager.
     compiled_kernels = True

@@ -214,9 +214,8 @@ class SafetensorsWriter:
         self._offsets = {
             key: e["data_offsets"][0] for key, e in header.items() if key != "__metadata__"
         }
-        from vllm_dspark.safety import (
-            staged,  # writers only: vLLM's workers never load signal handling
-        )
+        # Imported by writers only: vLLM's workers, which only read, never load signal handling.
+        from vllm_dspark.safety import staged
 
         self._staging = staged(self.path, directory=False)
         staging = self._staging.__enter__()

@@ -23,11 +23,7 @@ from vllm_dspark.checkpoint.st_io import (
     read_header,
     read_tensor,
 )
-from vllm_dspark.fields import (
-    DrafterFields,
-    check_identity,
-    parse_fields,
-)
+from vllm_dspark.fields import DrafterFields, check_identity, parse_fields
 from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.finite import invalid_scale_count
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from vllm_dspark.drift import builtin_variants, metrics
+from vllm_dspark.drift import metrics
 from vllm_dspark.drift.harness import NON_FINITE_FIX
 from vllm_dspark.finite import require_finite
 
@@ -305,7 +305,7 @@ def summarize(records: list[PromptRecord], block: int, resamples: int, seed: int
 
 def run(spec: AcceptSpec) -> dict[str, Any]:
     from vllm_dspark.drift.harness import versions
-    from vllm_dspark.drift.variants import load_reference, load_variant
+    from vllm_dspark.drift.variants import load_reference, load_variant, variant_label
 
     config, reference, heads = load_reference(str(spec.drafter))
     target = Target(
@@ -338,7 +338,7 @@ def run(spec: AcceptSpec) -> dict[str, Any]:
                 drafter, source_v = reference, "the FP32 reference"
             else:
                 drafter, source_v = load_variant(name, str(spec.drafter), config, heads, reference)
-            label = name if name in builtin_variants() else Path(name).name
+            label = variant_label(name)
             timing[f"load_{label}_s"] = time.perf_counter() - t0
             for mode in modes:
                 t0 = time.perf_counter()

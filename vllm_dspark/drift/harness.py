@@ -24,9 +24,7 @@ import torch
 from tqdm import tqdm
 
 import vllm_dspark.drift as drift_pkg
-from vllm_dspark.checkpoint.layout import (
-    FP8_RECIPE,
-)
+from vllm_dspark.checkpoint.layout import FP8_RECIPE
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.drift import (
     DEFAULT_REGIMES,

@@ -11,6 +11,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -31,8 +32,6 @@ def add_out(
     default: str | None = None,
 ) -> None:
     """``--out``, every command's output flag; ``aliases`` are a command's older spellings, still accepted."""
-    from pathlib import Path
-
     parser.add_argument(
         "--out", *aliases, dest="out", type=Path, required=required, default=default, help=help
     )
