@@ -4,7 +4,7 @@
 Four ways to run one FP8 compressed-tensors linear, at batch 1 and at a 7-token block:
 
 - ``plugin``: vLLM's own ``CompressedTensorsW8A16Fp8`` scheme with the plugin's CPU kernel
-  (``vllm_dspark.runtime.cpu_w8a16``) — what the served drafter runs on CPU: dequantised once at load,
+  (``vllm_dspark.runtime.cpu_fp8``) — what the served drafter runs on CPU: dequantised once at load,
   then vLLM's CPU GEMM dispatch;
 - ``bf16``: the same GEMM dispatch on the original BF16 weight (the baseline of every ratio);
 - ``dequant-bf16``: plain ``F.linear`` on the weight dequantised to BF16;
@@ -82,9 +82,9 @@ def _plugin_layer(w_fp8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.nn.Mo
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from vllm_dspark.runtime import cpu_w8a16
+    from vllm_dspark.runtime import cpu_fp8
 
-    cpu_w8a16.install()
+    cpu_fp8.install()
     n, k = w_fp8.shape
     args = QuantizationArgs(
         num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False

@@ -97,7 +97,18 @@ CONFIG_REGISTRY = Touchpoint(
 WFP8A16_KERNELS = Touchpoint(
     "wfp8a16_kernels",
     "vllm.model_executor.kernels.linear:_POSSIBLE_WFP8A16_KERNELS",
-    "vLLM has no CPU kernel for compressed-tensors FP8 weight-only linears; cpu_w8a16 adds one",
+    "vLLM has no CPU kernel for compressed-tensors FP8 weight-only linears; cpu_fp8 adds one",
+)
+# vLLM's CPU W8A8 kernels need AMX (else torch._scaled_mm per call); cpu_fp8 puts its own first.
+W8A8_FP8_KERNELS = Touchpoint(
+    "w8a8_fp8_kernels",
+    "vllm.model_executor.kernels.linear:_POSSIBLE_FP8_KERNELS",
+    "vLLM's CPU W8A8 FP8 kernels need AMX or quantize the weights' GEMM per call; cpu_fp8 adds one",
+)
+W8A8_FP8_BLOCK_KERNELS = Touchpoint(
+    "w8a8_fp8_block_kernels",
+    "vllm.model_executor.kernels.linear:_POSSIBLE_FP8_BLOCK_KERNELS",
+    "vLLM's CPU FP8 block kernels need AMX tiles; cpu_fp8 adds one that needs none",
 )
 ACCELERATOR_NOOP = Touchpoint(
     "accelerator_noop",
@@ -227,6 +238,8 @@ CPU_ROTARY_EMBEDDING = Touchpoint(
 TOUCHPOINTS = (
     CONFIG_REGISTRY,
     WFP8A16_KERNELS,
+    W8A8_FP8_KERNELS,
+    W8A8_FP8_BLOCK_KERNELS,
     ACCELERATOR_NOOP,
     ACCELERATOR_NOOP_SHM,
     V1_RUNNER_CHECK,
@@ -325,13 +338,18 @@ def register_config_class(model_type: str, config_class: type) -> None:
     CONFIG_REGISTRY.resolve()[model_type] = config_class
 
 
-def add_cpu_wfp8a16_kernel(kernel: type) -> None:
-    """Offer ``kernel`` for FP8 weight-only linears on vLLM's CPU platform; idempotent."""
+def add_cpu_fp8_kernels(w8a16: type, w8a8: type, block: type) -> None:
+    """Offer the plugin's FP8 kernels on vLLM's CPU platform, the W8A8 ones first; idempotent."""
     from vllm.platforms import PlatformEnum
 
-    kernels = WFP8A16_KERNELS.resolve().setdefault(PlatformEnum.CPU, [])
-    if kernel not in kernels:
-        kernels.append(kernel)
+    for point, kernel, first in (
+        (WFP8A16_KERNELS, w8a16, False),
+        (W8A8_FP8_KERNELS, w8a8, True),
+        (W8A8_FP8_BLOCK_KERNELS, block, True),
+    ):
+        kernels = point.resolve().setdefault(PlatformEnum.CPU, [])
+        if kernel not in kernels:
+            kernels.insert(0 if first else len(kernels), kernel)
 
 
 def set_torch_accelerator_to_noop() -> None:

@@ -870,7 +870,7 @@ add(
 add(
     "quantize-unknown-format",
     2,
-    "unknown quant format 'int3'; choose one of fp8, mxfp4, nvfp4",
+    "unknown quant format 'int3'; choose one of fp8, fp8-dynamic, fp8-static, fp8-block, mxfp4, nvfp4, nvfp4-w4a4",
     lambda t, c: quantize_argv(c["bf16"], t, fmt="int3"),
 )
 add("check-missing-dir", 1, "is not a directory", lambda t, c: check_argv(t / "nowhere", t))

@@ -61,7 +61,8 @@ def quantized(
     root = tmp_path_factory.mktemp("quantized")
     out = {}
     for preset, model_dir in drafters.items():
-        for fmt in formats.names():
+        # fp8-block's 128x128 blocks tile small's recipe layers, not tiny's 64-wide ones.
+        for fmt in (f for f in formats.names() if preset == "small" or f != "fp8-block"):
             out[preset, fmt] = root / f"{preset}-{fmt}"
             quantize_checkpoint(model_dir, out[preset, fmt], fmt, progress=False)
     return out
@@ -71,7 +72,7 @@ def quantized(
 def test_each_format_round_trips_with_snr_in_the_report(drafters, quantized, preset: str) -> None:
     source = _tensors(drafters[preset])
     snr = {}
-    for fmt in formats.names():
+    for fmt in (f for p, f in quantized if p == preset):
         out_dir = quantized[preset, fmt]
         report = json.loads((out_dir / f"{REPORT_NAME}.json").read_text())
         assert (
@@ -104,9 +105,9 @@ def test_each_format_round_trips_with_snr_in_the_report(drafters, quantized, pre
         )
         assert check_checkpoint(out_dir).ok
         snr[fmt] = report["overall"]["snr_db_mean"]
-    assert snr["fp8"] > 30
-    assert all(14 < snr[f] < 24 for f in ("mxfp4", "nvfp4"))
-    assert snr["fp8"] - max(snr["mxfp4"], snr["nvfp4"]) > 8, snr
+    fp8, fp4 = [snr[f] for f in snr if f.startswith("fp8")], [snr[f] for f in snr if "fp4" in f]
+    assert min(fp8) > 30 and all(14 < v < 24 for v in fp4)
+    assert min(fp8) - max(fp4) > 8, snr
 
 
 def test_output_is_a_complete_checkpoint(drafters, quantized) -> None:

@@ -4,7 +4,7 @@
 The FP8 checkpoint is made by this project's quantizer (``vllm-dspark quantize --quant-format fp8``,
 the published recipe: gate/up/down, o_proj, q_b_proj, context_proj) from the random ``tiny`` drafter,
 and loaded through vLLM's dspark loader as in ``test_model.py`` (same CPU stand-in attention). FP8
-weight-only linears run on :mod:`vllm_dspark.runtime.cpu_w8a16`, the plugin's CPU kernel: vLLM has none.
+weight-only linears run on :mod:`vllm_dspark.runtime.cpu_fp8`, the plugin's CPU kernel: vLLM has none.
 
 Refusals happen while the model is built, before any weight is read, so the refusal variants
 only edit config.json next to the FP8 shards.
@@ -68,7 +68,7 @@ def test_fp8_weight_only_on_exactly_the_six_kinds_with_one_shared_quant_config(
     )
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    from vllm_dspark.runtime.cpu_w8a16 import CPUDequantFP8W8A16LinearKernel
+    from vllm_dspark.runtime.cpu_fp8 import CPUDequantFP8W8A16LinearKernel
 
     model = served_fp8.model
     assert set(FP8_RECIPE) == {
@@ -155,7 +155,7 @@ def test_cpu_kernel_is_registered_and_refuses_block_scales(served_fp8: Served) -
     from vllm.platforms import PlatformEnum
 
     from vllm_dspark import compat
-    from vllm_dspark.runtime.cpu_w8a16 import CPUDequantFP8W8A16LinearKernel, install
+    from vllm_dspark.runtime.cpu_fp8 import CPUDequantFP8W8A16LinearKernel, install
 
     install()  # idempotent
     assert (

@@ -214,7 +214,7 @@ def test_in_tree_class_fails_to_load_the_projects_fp8_encoding(
     gate_up_proj matches no target and is built unquantized; its FP8 shards then have nowhere to go."""
     from vllm.model_executor.models.utils import get_draft_quant_config
 
-    from vllm_dspark.runtime.cpu_w8a16 import install
+    from vllm_dspark.runtime.cpu_fp8 import install
     from vllm_dspark.tools.vllm_load import engine_config
 
     quant_config = get_draft_quant_config(engine_config(tiny_mla_target, fp8_builds["regex"]))
@@ -243,7 +243,7 @@ def test_in_tree_class_silently_quantizes_the_bf16_kv_b_proj(
 ) -> None:
     """``Linear`` + checkpoint-name ignores: its ignores miss the runtime names, so the BF16 kv_b_proj is
     built FP8 and loaded from BF16 weights without a scale; the plugin keeps it BF16."""
-    from vllm_dspark.runtime.cpu_w8a16 import install
+    from vllm_dspark.runtime.cpu_fp8 import install
 
     install()
     with pytest.MonkeyPatch.context() as mp, _in_tree_class(mp):

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_dspark.checkpoint.layout import QUANT_FORMATS
+from vllm_dspark.ops.act_quant import FP4_MAX, ActScheme
 
 if TYPE_CHECKING:
     from compressed_tensors.compressors import BaseCompressor
@@ -47,14 +48,20 @@ WEIGHT_FIELDS = (
     "type",
     "strategy",
     "group_size",
+    "block_structure",
     "symmetric",
     "dynamic",
     "scale_dtype",
 )
+# The input-activation args a config group must share with an activation-quantized format.
+ACTIVATION_FIELDS = ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic")
+# A calibration-free build fixes the activations' amax here, as ModelOpt's drafter quantizer does:
+# FP8's static input_scale is then 1.0, NVFP4's input global scale 6.0.
+CALIBRATION_FREE_INPUT_AMAX = 448.0
 
 
 class QuantFormat:
-    """One weight-only format: its compressed-tensors scheme and the tensors it stores per module."""
+    """One format: its compressed-tensors scheme, the tensors it stores per module, how it quantizes inputs."""
 
     name: str  # the --quant-format value and the eval variant name
     preset: (
@@ -65,12 +72,19 @@ class QuantFormat:
     # The weight args a config group must share with the scheme to be this format.
     contract = WEIGHT_FIELDS
     has_global_scale = False
+    # Whether vLLM fuses shards under one scale (NVFP4's global scale, FP8's per-tensor weight scale),
+    # so the quantizer gives a fused group one: see :meth:`shared_global_scale`.
+    fused_shares_scale = False
     # Its quantizer runs compressed-tensors' torch.compile'd rounding, which must run eager.
     compiled_kernels = True
     num_bits: int  # the preset's weight args, as data (checked against the preset in the tests)
     strategy: str  # the preset's weight strategy: "channel", "group" or "tensor"
     group_size: int | None = None  # input columns per scale; None for a whole row or tensor
+    block: tuple[int, int] | None = None  # (rows, columns) per weight scale of a block format
     scale_dtype: torch.dtype | None = None  # a stored scale dtype the scheme names; None: float
+    activation: ActScheme | None = None  # how vLLM quantizes the input; None: weight-only (W*A16)
+    cpu_gap: str | None = None  # why vLLM cannot build it on CPU, even with the plugin's kernels
+    input_args: dict[str, Any] | None = None  # the preset's input activation args, as data
 
     @functools.cached_property
     def scheme(self) -> QuantizationScheme:
@@ -78,9 +92,9 @@ class QuantFormat:
         from compressed_tensors.compressors.format import infer_module_format
         from compressed_tensors.quantization import preset_name_to_scheme
 
-        scheme = preset_name_to_scheme(self.preset, targets=[]).model_copy(
-            update={"input_activations": None}
-        )
+        scheme = preset_name_to_scheme(self.preset, targets=[])
+        if self.activation is None:
+            scheme = scheme.model_copy(update={"input_activations": None})
         scheme.format = infer_module_format(torch.nn.Linear, scheme)
         return scheme
 
@@ -93,13 +107,14 @@ class QuantFormat:
             "symmetric": True,
             "strategy": self.strategy,
             "group_size": self.group_size,
+            "block_structure": None if self.block is None else list(self.block),
             "dynamic": False,
             "scale_dtype": None if self.scale_dtype is None else str(self.scale_dtype),
         }
         return {
             "targets": list(targets),
             "weights": weights,
-            "input_activations": None,  # weight-only, said outright
+            "input_activations": self.input_args,  # None: weight-only, said outright
             "output_activations": None,
             "format": self.format_strings[0],
         }
@@ -118,9 +133,38 @@ class QuantFormat:
         """Whether a module's stored ``{suffix: safetensors dtype}`` are this format's tensors."""
         raise NotImplementedError
 
-    def matches(self, weights: QuantizationArgs) -> bool:
-        """Whether a config group's weight args are this format's."""
-        return all(getattr(weights, f) == getattr(self.scheme.weights, f) for f in self.contract)
+    def shape_problem(self, shape: tuple[int, int]) -> str | None:
+        """Why a [N, K] weight cannot take this format (its groups or blocks do not divide it), or None."""
+        n, k = shape
+        if self.block is not None and (n % self.block[0] or k % self.block[1]):
+            return f"{self.name} quantizes {self.block[0]}x{self.block[1]} blocks, which do not tile [{n}, {k}]"
+        if self.group_size is not None and k % self.group_size:
+            return f"{self.name} quantizes groups of {self.group_size} input columns, which do not divide {k}"
+        return None
+
+    def matches(self, weights: QuantizationArgs, inputs: QuantizationArgs | None) -> bool:
+        """Whether a config group's weight and input-activation args are this format's."""
+        ours = self.scheme.input_activations
+        if (inputs is None) != (ours is None):
+            return False
+        return all(
+            getattr(weights, f) == getattr(self.scheme.weights, f) for f in self.contract
+        ) and (
+            inputs is None or all(getattr(inputs, f) == getattr(ours, f) for f in ACTIVATION_FIELDS)
+        )
+
+    def input_scales(self) -> dict[str, torch.Tensor]:
+        """The static input scale tensors a calibration-free build stores (``{}`` for dynamic or none)."""
+        return {}
+
+    def input_quantizer(
+        self, read: Callable[[str], torch.Tensor]
+    ) -> tuple[ActScheme, torch.Tensor | None] | None:
+        """How a module's input is quantized: its scheme and the stored scale it reads (``read(suffix)``)."""
+        if self.activation is None:
+            return None
+        (suffix,) = self.input_scales() or (None,)
+        return self.activation, None if suffix is None else read(suffix).float().reshape(())
 
     def shared_global_scale(self, weights: Iterable[torch.Tensor]) -> torch.Tensor | None:
         """The one global scale weights that vLLM fuses must share; None for a format without one."""
@@ -205,7 +249,7 @@ class FP8(QuantFormat):
         }
 
     def identify(self, dtypes: Mapping[str, str]) -> bool:
-        return "weight_packed" not in dtypes and dtypes.get("weight") == "F8_E4M3"
+        return dtypes.get("weight") == "F8_E4M3" and "input_scale" not in dtypes
 
     def quantize_with_error(
         self, weight: torch.Tensor, global_scale: torch.Tensor | None = None
@@ -216,10 +260,119 @@ class FP8(QuantFormat):
         return fp8_channel_quantize(weight)
 
 
+# The preset's input args as compressed-tensors writes them (checked against the presets in the tests).
+_FP8_INPUTS = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}
+
+
+@register
+class FP8Dynamic(FP8):
+    """W8A8: FP8's per-channel weights, inputs E4M3 per token, scaled dynamically (llm-compressor's FP8_DYNAMIC)."""
+
+    name = "fp8-dynamic"
+    preset = "FP8_DYNAMIC"
+    format_strings = ("float-quantized",)
+    description = QUANT_FORMATS["fp8-dynamic"]
+    activation = ActScheme("fp8_token")
+    input_args = {**_FP8_INPUTS, "strategy": "token", "dynamic": True}
+
+
+@register
+class FP8Static(QuantFormat):
+    """W8A8: one E4M3 weight scale per tensor and a static input_scale [1] (compressed-tensors' FP8)."""
+
+    name = "fp8-static"
+    preset = "FP8"
+    format_strings = ("float-quantized",)
+    description = QUANT_FORMATS["fp8-static"]
+    num_bits, strategy = 8, "tensor"
+    compiled_kernels = False
+    contract = FP8.contract
+    activation = ActScheme("fp8_tensor")
+    input_args = {
+        **_FP8_INPUTS,
+        "strategy": "tensor",
+        "dynamic": False,
+        "observer": "static_minmax",
+    }
+
+    def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
+        scalar = TensorSpec(torch.float32, (1,), also=(torch.bfloat16, torch.float16))
+        return {
+            "weight": TensorSpec(torch.float8_e4m3fn, shape),
+            "weight_scale": scalar,
+            "input_scale": scalar,
+        }
+
+    def identify(self, dtypes: Mapping[str, str]) -> bool:
+        return dtypes.get("weight") == "F8_E4M3" and "input_scale" in dtypes
+
+    fused_shares_scale = True  # vLLM requantizes fused shards to their largest scale otherwise
+    # process_fp8_weight_tensor_strategy requantizes every per-tensor weight with scaled_fp8_quant.
+    cpu_gap = (
+        "vLLM requantizes per-tensor FP8 weights at load with a CUDA-only op (scaled_fp8_quant)"
+    )
+
+    def input_scales(self) -> dict[str, torch.Tensor]:
+        return {"input_scale": torch.tensor([CALIBRATION_FREE_INPUT_AMAX / 448.0])}
+
+    def shared_global_scale(self, weights: Iterable[torch.Tensor]) -> torch.Tensor:
+        """The one weight scale a fused group shares: its largest magnitude / 448."""
+        lo, hi = zip(*(torch.aminmax(w.detach()) for w in weights))
+        return _scales(
+            torch.stack([torch.stack(lo).min(), torch.stack(hi).max()]).float()[None],
+            self.name,
+            None,
+        )
+
+    def quantize(
+        self, weight: torch.Tensor, global_scale: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        if global_scale is None:
+            return quantize_weight(weight, self.name)
+        _check_weight(weight, self.name)
+        state = {"weight": weight.float(), "weight_scale": global_scale.float().reshape(1)}
+        return {**self.compressor.compress(state, self.scheme), **self.input_scales()}
+
+    def fake_quantize(
+        self, weight: torch.Tensor, global_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if global_scale is None:
+            return fake_quantize_weight(weight, self.name)
+        from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+        return fake_quantize(
+            weight.float(), global_scale.float().reshape(1), None, self.scheme.weights
+        )
+
+
+@register
+class FP8Block(FP8):
+    """W8A8: an E4M3 weight scale per 128x128 block, inputs per 128-group dynamically (FP8_BLOCK)."""
+
+    name = "fp8-block"
+    preset = "FP8_BLOCK"
+    format_strings = ("float-quantized",)
+    description = QUANT_FORMATS["fp8-block"]
+    strategy, block = "block", (128, 128)
+    activation = ActScheme("fp8_group", 128)
+    input_args = {**_FP8_INPUTS, "strategy": "group", "group_size": 128, "dynamic": True}
+
+    def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
+        n, k = shape
+        (r, c), specs = self.block, super().tensor_specs(shape)
+        return {
+            **specs,
+            "weight_scale": TensorSpec(
+                torch.float32, (-(-n // r), -(-k // c)), also=(torch.bfloat16,)
+            ),
+        }
+
+
 class _FP4(QuantFormat):
     """E2M1 codes packed two per byte, one scale per group of input columns."""
 
     num_bits = 4
+    cpu_gap = "vLLM has no CPU kernel for FP4 linears"
     scale_dtype: torch.dtype
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
@@ -262,10 +415,14 @@ class NVFP4(_FP4):
     description = QUANT_FORMATS["nvfp4"]
     strategy, group_size = "tensor_group", 16
     scale_dtype = torch.float8_e4m3fn
-    has_global_scale = True
+    has_global_scale = fused_shares_scale = True
 
     def identify(self, dtypes: Mapping[str, str]) -> bool:
-        return "weight_packed" in dtypes and "weight_global_scale" in dtypes
+        return (
+            "weight_packed" in dtypes
+            and "weight_global_scale" in dtypes
+            and ("input_global_scale" in dtypes) == (self.activation is not None)
+        )
 
     def shared_global_scale(self, weights: Iterable[torch.Tensor]) -> torch.Tensor:
         """vLLM applies one global scale to a fused layer: from the largest magnitude of all its shards.
@@ -279,6 +436,35 @@ class NVFP4(_FP4):
         return generate_gparam(torch.stack(lo).min().float(), torch.stack(hi).max().float())
 
 
+@register
+class NVFP4W4A4(NVFP4):
+    """W4A4: NVFP4's weights, and inputs NVFP4 too under a static input_global_scale [1] (NVFP4)."""
+
+    name = "nvfp4-w4a4"
+    preset = "NVFP4"
+    description = QUANT_FORMATS["nvfp4-w4a4"]
+    activation = ActScheme("nvfp4")
+    input_args = {
+        "num_bits": 4,
+        "type": "float",
+        "symmetric": True,
+        "strategy": "tensor_group",
+        "group_size": 16,
+        "dynamic": "local",
+        "scale_dtype": "torch.float8_e4m3fn",
+        "observer": "static_minmax",
+    }
+
+    def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
+        return {
+            **super().tensor_specs(shape),
+            "input_global_scale": TensorSpec(torch.float32, (1,)),
+        }
+
+    def input_scales(self) -> dict[str, torch.Tensor]:
+        return {"input_global_scale": torch.tensor([448.0 * FP4_MAX / CALIBRATION_FREE_INPUT_AMAX])}
+
+
 def _scheme(fmt: str) -> QuantizationScheme:
     return get(fmt).scheme
 
@@ -287,8 +473,9 @@ def _compressor(fmt: str) -> type[BaseCompressor]:
     return get(fmt).compressor
 
 
-def _row_chunks(rows: int, cols: int) -> Iterable[slice]:
-    step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
+def _row_chunks(rows: int, cols: int, align: int = 1) -> Iterable[slice]:
+    """Row slices of about :data:`_CHUNK_ELEMENTS` weights, each a multiple of ``align`` rows (a scale block)."""
+    step = max(1, _CHUNK_ELEMENTS // max(cols, 1) // align) * align
     for start in range(0, rows, step):
         yield slice(start, min(start + step, rows))
 
@@ -296,11 +483,9 @@ def _row_chunks(rows: int, cols: int) -> Iterable[slice]:
 def _check_weight(weight: torch.Tensor, fmt: str) -> None:
     if weight.ndim != 2:
         raise ValueError(f"expected a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
-    g = get(fmt).group_size
-    if g is not None and weight.shape[1] % g:
-        raise ValueError(
-            f"{fmt} quantizes groups of {g} input columns, but the weight has {weight.shape[1]}"
-        )
+    problem = get(fmt).shape_problem(tuple(weight.shape))
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _scales(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> torch.Tensor:
@@ -312,6 +497,13 @@ def _scales(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> tor
     args = _scheme(fmt).weights
     if args.strategy == "channel":
         scale, _ = calculate_qparams(x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True), args)
+    elif args.strategy == "block":
+        # A ragged edge block takes the extremes of the values it has (padding with zeros is neutral:
+        # calculate_qparams widens every range to include zero).
+        r, c = args.block_structure
+        padded = torch.nn.functional.pad(x, (0, -x.shape[1] % c, 0, -x.shape[0] % r))
+        blocks = padded.unflatten(1, (-1, c)).unflatten(0, (-1, r))
+        scale, _ = calculate_qparams(blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3)), args)
     else:
         scale, _ = compute_dynamic_scales_and_zp(x, args, module=None, global_scale=global_scale)
     return scale
@@ -324,7 +516,7 @@ def _global_scale(
     _check_weight(weight, fmt)
     if global_scale is not None and not get(fmt).has_global_scale:
         having = " and ".join(f.name for f in REGISTRY.values() if f.has_global_scale)
-        raise ValueError(f"only {having} has a global scale, not {fmt}")
+        raise ValueError(f"only {having} have a global scale, not {fmt}")
     if global_scale is None:
         global_scale = get(fmt).shared_global_scale([weight])
     if global_scale is not None:
@@ -347,20 +539,32 @@ def quantize_weight(
     # compressed-tensors' FP4 rounding is a torch.compile'd function: compiling it costs seconds per
     # new shape, is unsafe from several threads (--workers), and is no faster than eager here.
     with torch.compiler.set_stance("force_eager"):
-        for rows in _row_chunks(*weight.shape):
-            x = weight[rows].float()
-            state = {"weight": x, "weight_scale": _scales(x, fmt, global_scale)}
+        for rows, x, scale in _chunk_scales(weight, fmt, global_scale):
+            state = {"weight": x, "weight_scale": scale}
             if global_scale is not None:
                 state["weight_global_scale"] = global_scale
             pieces.append(compressor.compress(state, scheme))
+    shared = {"weight_global_scale"} | ({"weight_scale"} if not get(fmt).row_separable else set())
     out = {
         suffix: torch.cat([p[suffix] for p in pieces])
         for suffix in pieces[0]
-        if suffix != "weight_global_scale"
+        if suffix not in shared
     }
+    out.update({suffix: pieces[0][suffix] for suffix in pieces[0] if suffix in shared})
     if global_scale is not None:
         out["weight_global_scale"] = global_scale
-    return out
+    return {**out, **get(fmt).input_scales()}
+
+
+def _chunk_scales(
+    weight: torch.Tensor, fmt: str, global_scale: torch.Tensor | None
+) -> Iterable[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """``(rows, float32 chunk, its scales)`` per row chunk; a per-tensor scale is the whole weight's."""
+    f = get(fmt)
+    whole = None if f.row_separable else _scales(weight.float(), fmt, global_scale)
+    for rows in _row_chunks(*weight.shape, align=f.block[0] if f.block else 1):
+        x = weight[rows].float()
+        yield rows, x, whole if whole is not None else _scales(x, fmt, global_scale)
 
 
 @torch.no_grad()
@@ -378,11 +582,8 @@ def fake_quantize_weight(
 
     out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
     with torch.compiler.set_stance("force_eager"):
-        for rows in _row_chunks(*weight.shape):
-            x = weight[rows].float()
-            out[rows] = fake_quantize(
-                x, _scales(x, fmt, global_scale), None, args, global_scale=global_scale
-            )
+        for rows, x, scale in _chunk_scales(weight, fmt, global_scale):
+            out[rows] = fake_quantize(x, scale, None, args, global_scale=global_scale)
     return out
 
 
@@ -391,7 +592,16 @@ def dequantize_weight(
     tensors: dict[str, torch.Tensor], fmt: str, shape: tuple[int, int]
 ) -> torch.Tensor:
     """float32 [N, K] weight back from ``tensors`` (suffix -> tensor), by compressed-tensors' decompressor."""
-    weight = _compressor(fmt).decompress(dict(tensors), _scheme(fmt))["weight"]
+    if get(fmt).block:
+        # Its decompressor reads a one-column [N/128, 1] block scale as a channel scale: say the args.
+        from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+        args = _scheme(fmt).weights
+        weight = dequantize(
+            tensors["weight"], tensors["weight_scale"], None, args, dtype=torch.float32
+        )
+    else:
+        weight = _compressor(fmt).decompress(dict(tensors), _scheme(fmt))["weight"]
     if tuple(weight.shape) != tuple(shape):
         raise ValueError(
             f"{fmt} tensors decompress to {tuple(weight.shape)}, expected {tuple(shape)}"
@@ -404,9 +614,15 @@ def _error_sums(
 ) -> tuple[float, float]:
     """|W|^2 and |W - dequant(Q)|^2 of a quantized weight, dequantized chunk by chunk."""
     signal = noise = 0.0
-    for rows in _row_chunks(*weight.shape):
-        # Per-row tensors are 2-D; global and per-tensor scales are 1-D and serve every chunk.
-        chunk = {s: t[rows] if t.dim() == 2 else t for s, t in tensors.items()}
+    r = get(fmt).block[0] if get(fmt).block else 1
+    for rows in _row_chunks(*weight.shape, align=r):
+        # Per-row tensors are 2-D (a block format's scales one row per r rows); global and per-tensor
+        # scales are 1-D and serve every chunk.
+        scale_rows = slice(rows.start // r, -(-rows.stop // r))
+        chunk = {
+            s: t if t.dim() < 2 else t[scale_rows] if s == "weight_scale" else t[rows]
+            for s, t in tensors.items()
+        }
         ref = weight[rows].float().flatten()
         diff = (
             ref - dequantize_weight(chunk, fmt, (rows.stop - rows.start, weight.shape[1])).flatten()

@@ -61,12 +61,16 @@ QUANTIZABLE_KINDS: tuple[str, ...] = (
 )
 
 
-# The weight-only formats, by ``--quant-format`` name, one line each (``formats.REGISTRY`` holds one
+# The formats, by ``--quant-format`` name, one line each (``formats.REGISTRY`` holds one
 # class per name; the command line reads this without importing torch).
 QUANT_FORMATS: dict[str, str] = {
     "fp8": "fp8 per-channel: E4M3 per output channel",
+    "fp8-dynamic": "fp8-dynamic: W8A8, fp8 weights, E4M3 inputs per token (dynamic)",
+    "fp8-static": "fp8-static: W8A8, E4M3 per tensor, static input_scale",
+    "fp8-block": "fp8-block: W8A8, E4M3 per 128x128 weight block, inputs per 128-group (dynamic)",
     "mxfp4": "mxfp4: E2M1, groups of 32, E8M0 scales",
     "nvfp4": "nvfp4: E2M1, groups of 16, E4M3 scales + a global scale",
+    "nvfp4-w4a4": "nvfp4-w4a4: W4A4, nvfp4 weights and inputs (static input global scale)",
 }
 # What ``quantize`` writes beside the checkpoint: REPORT_NAME.json and REPORT_NAME.md.
 REPORT_NAME = "quantization_report"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from vllm_dspark.checkpoint.formats import REGISTRY, WEIGHT_FIELDS, get
+from vllm_dspark.checkpoint.formats import ACTIVATION_FIELDS, REGISTRY, WEIGHT_FIELDS, get
 from vllm_dspark.checkpoint.layout import (
     GLOBAL_KINDS,
     LAYER_KINDS,
@@ -30,7 +30,6 @@ def validate_include_kinds(
     include_kinds: Sequence[str], fmt: str, config: "K3DSparkConfig"
 ) -> tuple[str, ...]:
     """The included kinds in checkpoint order; ``ValueError`` naming the fix for any bad choice."""
-    g = get(fmt).group_size
     kinds = list(dict.fromkeys(include_kinds))
     if not kinds:
         raise ValueError(f"--include-layers is empty; choose from: {' '.join(QUANTIZABLE_KINDS)}")
@@ -49,16 +48,11 @@ def validate_include_kinds(
             f"Quantizable layers: {' '.join(QUANTIZABLE_KINDS)}"
         )
     validate_fused_decision(set(kinds))
-    if g is not None:
-        bad = [
-            f"{k} (in_features {specs[k].shape[1]})"
-            for k in kinds
-            if k in specs and specs[k].shape[1] % g
-        ]
-        if bad:
-            raise ValueError(
-                f"{fmt} quantizes groups of {g} input columns, which does not divide {', '.join(bad)}"
-            )
+    bad = [
+        f"{k}: {p}" for k in kinds if k in specs and (p := get(fmt).shape_problem(specs[k].shape))
+    ]
+    if bad:
+        raise ValueError(f"{'; '.join(bad)}. Leave those layers out of --include-layers")
     return tuple(k for k in QUANTIZABLE_KINDS if k in kinds)
 
 
@@ -105,15 +99,15 @@ def compressed_tensors_config(
 
 def _group_format(scheme: QuantizationScheme, top_format: str | None) -> str:
     """Which registered format a config group is; ``ValueError`` if none."""
-    if scheme.input_activations is not None or scheme.output_activations is not None:
+    if scheme.output_activations is not None:
         raise ValueError(
-            "the config group quantizes activations; only weight-only formats are supported here"
+            "the config group quantizes output activations, which no vLLM linear kernel does"
         )
     w = scheme.weights
     if w is None:
         raise ValueError("the config group has no weight quantization")
     for fmt in REGISTRY.values():
-        if fmt.matches(w):
+        if fmt.matches(w, scheme.input_activations):
             stored_as = scheme.format or top_format
             if stored_as not in fmt.format_strings:
                 raise ValueError(
@@ -121,8 +115,11 @@ def _group_format(scheme: QuantizationScheme, top_format: str | None) -> str:
                     f"{' or '.join(fmt.format_strings)}"
                 )
             return fmt.name
+    a = scheme.input_activations
+    inputs = "none" if a is None else ", ".join(f"{f}={getattr(a, f)!r}" for f in ACTIVATION_FIELDS)
     raise ValueError(
-        f"unsupported weight scheme ({', '.join(f'{f}={getattr(w, f)!r}' for f in WEIGHT_FIELDS)}); supported: "
+        f"unsupported scheme (weights: {', '.join(f'{f}={getattr(w, f)!r}' for f in WEIGHT_FIELDS)}; "
+        f"input activations: {inputs}); supported: "
         + "; ".join(fmt.description for fmt in REGISTRY.values())
     )
 

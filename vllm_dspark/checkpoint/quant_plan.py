@@ -98,7 +98,9 @@ def _stored_format(dtypes: Mapping[str, str]) -> _Stored:
 
 
 def _shown(stored: tuple[str, ...] | None) -> str | None:
-    return None if stored is None else " or ".join(stored)
+    """How to name what a module's tensors hold: formats storing the same tensors (fp8 and its W8A8
+    siblings) differ only in the config, so the tensors are named by the first, the weight-only one."""
+    return None if stored is None else stored[0]
 
 
 def _stored_plan(specs: list[ModuleSpec], dtypes: Mapping[str, str]) -> dict[str, _Stored]:

@@ -26,6 +26,7 @@ from vllm_dspark.checkpoint.st_io import (
 from vllm_dspark.fields import DrafterFields, check_identity, parse_fields
 from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.finite import invalid_scale_count
+from vllm_dspark.ops.act_quant import ActScheme
 
 if TYPE_CHECKING:
     from vllm_dspark.config import K3DSparkConfig
@@ -399,6 +400,23 @@ def load_drafter_state_dict(
                 bias = read(f"{spec.name}.bias")
                 state_dict[f"{spec.name}.bias"] = bias if dtype is None else bias.to(dtype)
     return config, state_dict
+
+
+def input_quantizers(model_dir: str | Path) -> dict[str, tuple[ActScheme, torch.Tensor | None]]:
+    """``{module: (activation scheme, stored input scale or None)}`` of a build's W8A8 / W4A4 modules."""
+    checkpoint = read_checkpoint(model_dir)
+    out = {}
+    with TensorReader() as reader:
+        for module, fmt in checkpoint.plan().modules.items():
+
+            def read(suffix: str, module: str = module) -> torch.Tensor:
+                key = f"{module}.{suffix}"
+                return reader.read(checkpoint.stored[key].path, key)
+
+            found = formats.get(fmt).input_quantizer(read)
+            if found is not None:
+                out[module] = found
+    return out
 
 
 def _dequantize(

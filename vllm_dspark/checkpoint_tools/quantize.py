@@ -165,12 +165,12 @@ def _read(source: StoredTensor, key: str) -> torch.Tensor:
 
 
 def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
-    """Each module's global scale, for formats with one: shared by a fused group (gate/up per layer,
+    """Each module's global scale, for formats that share one when fused: shared by a fused group (gate/up per layer,
     q_a/kv_a across layers), else the module's own. Computed up front, as chunks cannot see the rest."""
     quantized = {
         item.module.name: item
         for item in items
-        if item.fmt and formats.get(item.fmt).has_global_scale
+        if item.fmt and formats.get(item.fmt).fused_shares_scale
     }
     groups = list(fused_module_groups(quantized).values())
     grouped = {m for members in groups for m in members}
@@ -189,7 +189,9 @@ def _rows(item: _Item) -> list[slice]:
     n = shape[0] if shape else 1
     if item.fmt is not None and not formats.get(item.fmt).row_separable:
         return [slice(0, n)]
-    step = max(1, _CHUNK_BYTES // max(item.stored.nbytes // max(n, 1), 1))
+    # A block format's chunks hold whole blocks of rows (each block has one row of scales).
+    align = formats.get(item.fmt).block[0] if item.fmt and formats.get(item.fmt).block else 1
+    step = max(1, _CHUNK_BYTES // max(item.stored.nbytes // max(n, 1), 1) // align) * align
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 
@@ -222,9 +224,10 @@ def _chunk(
         _read(item.stored, item.key)
     for suffix, part_spec in fmt.tensor_specs(spec.shape).items():
         key = f"{spec.name}.{suffix}"
-        if len(part_spec.shape) == 2 and part_spec.shape[0] == spec.shape[0]:
+        if len(part_spec.shape) == 2:  # a row per weight row, or per block of them
+            per = spec.shape[0] // part_spec.shape[0]
             row_bytes = math.prod(part_spec.shape[1:]) * part_spec.dtype.itemsize
-            pwrite_all(fd, parts[suffix], offsets[key] + rows.start * row_bytes)
+            pwrite_all(fd, parts[suffix], offsets[key] + rows.start // per * row_bytes)
         elif rows.start == 0:  # a whole-tensor part (the global scale): every chunk has it
             pwrite_all(fd, parts[suffix], offsets[key])
     return signal, noise

@@ -22,6 +22,7 @@ from torch import nn
 
 from vllm_dspark.checkpoint.layout import TARGET_DIR, tensor_shapes
 from vllm_dspark.checkpoint.store import (
+    input_quantizers,
     load_config,
     load_drafter_state_dict,
     load_target_heads,
@@ -30,6 +31,7 @@ from vllm_dspark.checkpoint.store import (
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.finite import require_finite
+from vllm_dspark.ops.act_quant import ActScheme
 from vllm_dspark.ops.rope import RotaryEmbedding, softmax_scale
 from vllm_dspark.ops.sampling import markov_rollout
 from vllm_dspark.reference.gemm import einsum, linear
@@ -40,12 +42,18 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
+    # A W8A8 / W4A4 build's input quantization: (scheme, stored scale or None), as vLLM's kernels apply it.
+    input_quant: tuple[ActScheme, torch.Tensor | None] | None = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_quant is not None:
+            scheme, scale = self.input_quant
+            x = scheme(x, scale)
         return linear(x, self.weight, self.bias)
 
 
@@ -358,7 +366,7 @@ class ReferenceDrafter(nn.Module):
         config, state_dict = load_drafter_state_dict(model_dir, dtype=load_dtype)
         state_dict.pop("embed_tokens.weight", None)
         embed_tokens, lm_head = load_target_heads(target_dir, dtype=load_dtype)
-        return cls.from_state_dict(
+        model = cls.from_state_dict(
             config,
             state_dict,
             embed_tokens=embed_tokens,
@@ -366,6 +374,12 @@ class ReferenceDrafter(nn.Module):
             compute_dtype=compute_dtype,
             device=device,
         )
+        for module, (scheme, scale) in input_quantizers(model_dir).items():
+            model.get_submodule(module).input_quant = (
+                scheme,
+                None if scale is None else scale.to(device),
+            )
+        return model
 
     # ----- the hooks vLLM's speculator calls, as pure tensor functions -----
 

@@ -34,6 +34,7 @@ from vllm.model_executor.models.utils import (
 from vllm.models.common.ops.fused_allreduce_rms_norm import fused_allreduce_rms_norm
 from vllm.platforms import current_platform
 
+from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import FUSED_GROUPS, checkpoint_modules
 from vllm_dspark.checkpoint.quant_plan import (
     QuantPlan,
@@ -131,8 +132,20 @@ def _draft_quant_config(
     if normalized is None:
         return None, plan
     if current_platform.is_cpu():
+        gaps = {
+            f: formats.get(f).cpu_gap for f in set(plan.modules.values()) if formats.get(f).cpu_gap
+        }
+        if gaps:
+            fmt, why = sorted(gaps.items())[0]
+            raise FindingError(
+                Finding(
+                    f"K3 DSpark drafter {draft_dir} is stored as {fmt}, which vLLM cannot serve on CPU: {why}",
+                    "serve it on a GPU, or quantize the BF16 checkpoint to fp8 or fp8-dynamic for CPU "
+                    "(`vllm-dspark quantize --quant-format fp8-dynamic`)",
+                )
+            )
         # vLLM has no CPU kernel for FP8 weight-only linears: add ours before any layer picks one.
-        from vllm_dspark.runtime.cpu_w8a16 import install
+        from vllm_dspark.runtime.cpu_fp8 import install
 
         install()
     quant_config = CompressedTensorsConfig.from_config(normalized)

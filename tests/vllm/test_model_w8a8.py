@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""W8A8 FP8 drafters in vLLM on CPU: compressed-tensors' FP8_DYNAMIC, FP8 (static) and FP8_BLOCK builds,
+made by this project's quantizer, load with vLLM's W8A8 scheme on exactly the recipe's modules, run on
+the plugin's CPU kernels (:mod:`vllm_dspark.runtime.cpu_fp8`), and match the FP32 reference drafter under
+the same activation quantization (:mod:`vllm_dspark.ops.act_quant`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.vllm_drafter import Served, assert_hooks_match_reference, load_drafter
+
+# An input that lands on another side of an FP8 rounding boundary moves one element by one E4M3 step
+# (2^-4 relative): whole-output relative errors, not elementwise ones (measured ~1e-6 to 1e-4).
+W8A8_HOOK_BOUNDS = {
+    "combine_hidden_states": 1e-3,
+    "context_latent": 1e-3,
+    "forward": 5e-3,
+    "compute_draft_logits": 5e-3,
+    "markov_embed": 0.0,
+    "markov_bias": 5e-3,
+    "compute_confidence": 5e-3,
+}
+
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_dspark.checkpoint.presets import preset_config
+    from vllm_dspark.checkpoint.save import write_target_config
+
+    return write_target_config(preset_config("small"), tmp_path_factory.mktemp("small_mla_target"))
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_dspark.checkpoint_tools.make_random import make_random
+
+    return make_random(tmp_path_factory.mktemp("small") / "bf16", "small", seed=0, progress=False)
+
+
+def _quantized(source: Path, fmt: str, root: Path) -> Path:
+    from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
+
+    out = root / fmt
+    quantize_checkpoint(source, out, fmt, progress=False)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("fmt", "kernel"),
+    [
+        ("fp8-dynamic", "CPUDequantFP8W8A8LinearKernel"),
+        ("fp8-block", "CPUDequantFP8BlockLinearKernel"),
+    ],
+)
+def test_w8a8_build_serves_on_the_recipe_and_matches_the_reference(
+    fmt: str,
+    kernel: str,
+    small_target: Path,
+    small_checkpoint: Path,
+    tmp_path: Path,
+) -> None:
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsW8A8Fp8,
+    )
+
+    from vllm_dspark.reference.drafter import ReferenceDrafter
+
+    build = _quantized(small_checkpoint, fmt, tmp_path)
+    served: Served = load_drafter(small_target, build)
+    quantized = {}
+    for name, module in served.model.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        if isinstance(module.quant_method, UnquantizedLinearMethod):
+            continue
+        assert isinstance(module.scheme, CompressedTensorsW8A8Fp8), name
+        quantized[name.split(".", 3)[-1] if ".layers." in name else name.split(".")[-1]] = type(
+            module.scheme.fp8_linear
+        ).__name__
+    # The recipe's kinds, as vLLM fuses them (gate/up); q_a, kv_a, kv_b and the heads stay BF16.
+    assert set(quantized) == {
+        "context_proj",
+        "self_attn.q_b_proj",
+        "self_attn.o_proj",
+        "mlp.gate_up_proj",
+        "mlp.down_proj",
+    }
+    assert set(quantized.values()) == {kernel}
+    reference = ReferenceDrafter.from_pretrained(build)
+    assert reference.layers[0].mlp.down_proj.input_quant is not None
+    assert reference.layers[0].self_attn.kv_b_proj.input_quant is None
+    assert_hooks_match_reference(served, reference, norm_rtol=W8A8_HOOK_BOUNDS)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-static", "nvfp4-w4a4"])
+def test_builds_vllm_cannot_run_on_cpu_are_refused_by_name(
+    fmt: str, small_target: Path, small_checkpoint: Path, tmp_path: Path
+) -> None:
+    from vllm_dspark.findings import FindingError
+
+    build = _quantized(small_checkpoint, fmt, tmp_path)
+    with pytest.raises(
+        FindingError,
+        match=rf"is stored as {fmt}, which vLLM cannot serve on CPU.*Fix: serve it on a GPU",
+    ):
+        load_drafter(small_target, build)

@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Activation quantization as vLLM's W8A8 / W4A4 kernels compute it, as quantize-dequantize in float.
+
+One implementation for the plugin's CPU kernels and the reference drafter alike. The FP8 paths are
+vLLM's ``QuantFP8.forward_native`` (``layers/quantization/input_quant_fp8.py``): scale = amax / 448,
+floored at 1 / (448 * 512), and x * (1 / scale) saturated to E4M3. NVFP4 is its
+``ref_nvfp4_quant_dequant`` (``quantization/utils/nvfp4_emulation_utils.py``): an E4M3 scale per 16
+values under one global scale, and E2M1 codes rounded to nearest, ties to even. The tests check
+each against those functions and against compressed-tensors' and ModelOpt's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+FP8_MIN_SCALE = 1.0 / (
+    FP8_MAX * 512.0
+)  # vLLM's _FP8_MIN_SCALING_FACTOR: an all-zero row stays finite
+FP4_MAX = 6.0
+NVFP4_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class ActScheme:
+    """How a linear's input is quantized: ``kind`` is one of :data:`KINDS`; ``group_size`` for groups."""
+
+    kind: str
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown activation scheme {self.kind!r}; one of {', '.join(KINDS)}")
+
+    @property
+    def static(self) -> bool:
+        """Whether it reads a stored scale (the input_scale of static FP8, the global scale of NVFP4)."""
+        return self.kind in ("fp8_tensor", "nvfp4")
+
+    def __call__(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` quantized and dequantized, in ``x.dtype``; ``scale`` is the stored input scale when static."""
+        if self.static != (scale is not None):
+            raise ValueError(
+                f"the {self.kind} activation scheme {'needs' if self.static else 'takes no'} input scale"
+            )
+        if self.kind == "fp8_token":
+            return fp8_per_token(x)
+        if self.kind == "fp8_tensor":
+            return fp8_static(x, scale)
+        if self.kind == "fp8_group":
+            return fp8_per_group(x, self.group_size or 128)
+        return nvfp4(x, scale)
+
+
+KINDS = ("fp8_token", "fp8_tensor", "fp8_group", "nvfp4")
+
+
+def _fp8_qdq(x: torch.Tensor, scale: torch.Tensor, *, divide: bool = False) -> torch.Tensor:
+    """x * (1 / scale) (or x / scale) saturated to E4M3, times scale, in ``x.dtype``.
+
+    vLLM's per-token and per-tensor paths multiply by the reciprocal, its group path divides:
+    the two round differently, so each is mirrored.
+    """
+    scaled = x.float() / scale if divide else x.float() * scale.reciprocal()
+    q = scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+def fp8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token FP8: one scale per row (last dim), from that row's absolute maximum."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    return _fp8_qdq(x, (amax / FP8_MAX).clamp_(min=FP8_MIN_SCALE))
+
+
+def fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Static per-tensor FP8 with the stored ``input_scale`` (one element)."""
+    return _fp8_qdq(x, scale.float().reshape(()))
+
+
+def fp8_per_group(x: torch.Tensor, group_size: int = 128) -> torch.Tensor:
+    """Dynamic FP8 with one scale per ``group_size`` consecutive values of each row (zero-padded)."""
+    k = x.shape[-1]
+    pad = -k % group_size
+    grouped = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, group_size))
+    amax = grouped.abs().amax(dim=-1, keepdim=True).float()
+    out = _fp8_qdq(grouped, (amax / FP8_MAX).clamp_(min=FP8_MIN_SCALE), divide=True).flatten(-2)
+    return out[..., :k]
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` (already within ±6) rounded to the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}, ties to even."""
+    mag = x.abs()
+    # The grid's spacing is 0.5 below 2, 1 below 4, 2 up to 6: round in units of it, half to even.
+    step = torch.where(mag < 2.0, 0.5, torch.where(mag < 4.0, 1.0, 2.0))
+    return (mag / step).round_().mul_(step).clamp_(max=FP4_MAX).copysign_(x)
+
+
+def nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4: E2M1 codes in blocks of 16, an E4M3 scale per block under the one ``global_scale``.
+
+    ``global_scale`` is compressed-tensors' ``input_global_scale`` (448 * 6 / amax): ModelOpt stores
+    its reciprocal as ``input_scale``.
+    """
+    k = x.shape[-1]
+    if k % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 quantizes blocks of {NVFP4_BLOCK} values, but the input has {k}")
+    gs = global_scale.float().reshape(())
+    blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK))
+    scale = (gs * blocks.abs().amax(dim=-1, keepdim=True) / FP4_MAX).clamp_(-FP8_MAX, FP8_MAX)
+    scale = scale.to(torch.float8_e4m3fn).float()
+    # vLLM's get_reciprocal, rounding step for rounding step: a zero scale zeroes its block, not NaN.
+    over = scale * (1.0 / gs)
+    codes = round_to_e2m1((blocks * (1.0 / (over + (over == 0) * 1e8))).clamp_(-FP4_MAX, FP4_MAX))
+    return (codes * (scale / gs)).flatten(-2).to(x.dtype)
