@@ -93,13 +93,26 @@ def test_fake_quantize_equals_the_packed_round_trip_in_bf16(
 ) -> None:
     monkeypatch.setattr(formats, "_CHUNK_ELEMENTS", 5 * 512)  # several chunks, a ragged last one
     weight = _weight()
-    shared = formats.get(fmt).shared_global_scale([weight, 3 * weight])
-    packed = formats.quantize_weight(weight, fmt, global_scale=shared)
-    round_trip = formats.dequantize_weight(packed, fmt, tuple(weight.shape)).to(torch.bfloat16)
-    fake = formats.fake_quantize_weight(weight, fmt, global_scale=shared)
+    f = formats.get(fmt)
+    shared = f.shared_global_scale([weight, 3 * weight])  # a fused group's, where it has one
+    packed = f.quantize(weight, global_scale=shared)
+    round_trip = f.dequantize(packed, tuple(weight.shape)).to(torch.bfloat16)
+    fake = f.fake_quantize(weight, global_scale=shared)
     assert fake.dtype == torch.float32 and fake.shape == weight.shape
     assert torch.equal(fake.to(torch.bfloat16), round_trip)
     assert not torch.equal(fake.to(torch.bfloat16), weight)  # it did quantize
+
+
+def test_fp8_static_fused_shards_share_the_largest_magnitude_weight_scale() -> None:
+    small, large = _weight((32, 64)), 4 * _weight((32, 64))
+    f = formats.get("fp8-static")
+    shared = f.shared_global_scale([small, large])
+    assert torch.equal(shared, f.quantize(large)["weight_scale"])
+    q = f.quantize(small, global_scale=shared)
+    assert torch.equal(q["weight_scale"], shared) and torch.equal(
+        q["input_scale"], torch.tensor([1.0])
+    )
+    assert f.snr_db(small, q) > 20
 
 
 def test_nvfp4_fused_shards_share_the_largest_magnitude_global_scale() -> None:

@@ -517,7 +517,7 @@ def _global_scale(
     if global_scale is not None and not get(fmt).has_global_scale:
         having = " and ".join(f.name for f in REGISTRY.values() if f.has_global_scale)
         raise ValueError(f"only {having} have a global scale, not {fmt}")
-    if global_scale is None:
+    if global_scale is None and get(fmt).has_global_scale:
         global_scale = get(fmt).shared_global_scale([weight])
     if global_scale is not None:
         global_scale = global_scale.to(device=weight.device, dtype=torch.float32).reshape(1)
