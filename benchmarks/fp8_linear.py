@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""FP8 weight-only (W8A16) linear on CPU at the drafter's real layer shapes.
+"""FP8 linears (W8A16, and W8A8 per token and per block) on CPU at the drafter's real layer shapes.
 
-Four ways to run one FP8 compressed-tensors linear, at batch 1 and at a 7-token block:
+Ways to run one FP8 compressed-tensors linear, at batch 1 and at a 7-token block:
 
-- ``plugin``: vLLM's own ``CompressedTensorsW8A16Fp8`` scheme with the plugin's CPU kernel
+- ``plugin fp8`` / ``plugin fp8-dynamic`` / ``plugin fp8-block``: vLLM's own
+  ``CompressedTensorsW8A16Fp8`` / ``CompressedTensorsW8A8Fp8`` scheme with the plugin's CPU kernels
   (``vllm_dspark.runtime.cpu_fp8``) — what the served drafter runs on CPU: dequantised once at load,
-  then vLLM's CPU GEMM dispatch;
+  then (W8A8) the input quantized per token or per 128-group as on a GPU, then vLLM's CPU GEMM dispatch;
 - ``bf16``: the same GEMM dispatch on the original BF16 weight (the baseline of every ratio);
 - ``dequant-bf16``: plain ``F.linear`` on the weight dequantised to BF16;
 - ``dequant-per-call``: dequantising the FP8 weight on every call, which is why the kernel does
@@ -73,25 +74,36 @@ def _bf16_drafter_config(preset: str) -> Iterator[None]:
             yield
 
 
-def _plugin_layer(w_fp8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.nn.Module, object]:
-    """A layer built, loaded and finalised by vLLM's W8A16 FP8 scheme, as the model does."""
-    from compressed_tensors.quantization import QuantizationArgs
+# The served formats a linear runs on the plugin's CPU kernels, with the vLLM scheme that builds it.
+PLUGIN_FORMATS = ("fp8", "fp8-dynamic", "fp8-block")
+
+
+def _plugin_layer(weight: torch.Tensor, fmt: str) -> tuple[torch.nn.Module, object]:
+    """``weight`` quantized to ``fmt``, in a layer built, loaded and finalised by vLLM's scheme, as the model does."""
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsW8A8Fp8,
         CompressedTensorsW8A16Fp8,
     )
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from vllm_dspark.checkpoint import formats
     from vllm_dspark.runtime import cpu_fp8
 
     cpu_fp8.install()
-    n, k = w_fp8.shape
-    args = QuantizationArgs(
-        num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False
-    )
+    f = formats.get(fmt)
+    n, k = weight.shape
+    q = f.quantize(weight)
     # vLLM builds and loads a model under its dtype as torch's default; the scheme reads it.
     with set_default_torch_dtype(torch.bfloat16):
-        scheme = CompressedTensorsW8A16Fp8(weight_quant=args, is_static_input_scheme=False)
+        if f.activation is None:
+            scheme = CompressedTensorsW8A16Fp8(
+                weight_quant=f.scheme.weights, is_static_input_scheme=False
+            )
+        else:
+            scheme = CompressedTensorsW8A8Fp8(
+                weight_quant=f.scheme.weights, is_static_input_scheme=False
+            )
         layer = torch.nn.Module()
         scheme.create_weights(
             layer,
@@ -102,8 +114,8 @@ def _plugin_layer(w_fp8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.nn.Mo
             params_dtype=torch.bfloat16,
             weight_loader=default_weight_loader,
         )
-        layer.weight.data.copy_(w_fp8)
-        layer.weight_scale.data.copy_(scale)
+        for suffix, tensor in q.items():
+            getattr(layer, suffix).data.copy_(tensor.view(getattr(layer, suffix).shape))
         scheme.process_weights_after_loading(layer)
     return layer, scheme
 
@@ -122,6 +134,7 @@ def run(
 ) -> dict:
     from vllm.model_executor.layers.utils import cpu_unquantized_gemm
 
+    from vllm_dspark.checkpoint import formats
     from vllm_dspark.checkpoint.formats import dequantize_weight, quantize_weight
 
     torch.manual_seed(0)
@@ -132,13 +145,23 @@ def run(
         q = quantize_weight(weight, "fp8")
         w_fp8, scale = q["weight"], q["weight_scale"]
         dequantised = dequantize_weight(q, "fp8", (n, k)).to(torch.bfloat16)
-        plugin, scheme = _plugin_layer(w_fp8, scale)
+        # fp8-block's 128x128 blocks tile the real shapes, not every smoke preset's.
+        plugin = {
+            fmt: _plugin_layer(weight, fmt)
+            for fmt in PLUGIN_FORMATS
+            if formats.get(fmt).shape_problem((n, k)) is None
+        }
         bf16 = _bf16_layer(weight)
         weight_bytes = n * k * 2
         for t in tokens:
             x = torch.randn(t, k).to(torch.bfloat16)
             paths = {
-                "plugin": lambda: scheme.apply_weights(plugin, x, None),
+                **{
+                    f"plugin {fmt}": lambda fmt=fmt: plugin[fmt][1].apply_weights(
+                        plugin[fmt][0], x, None
+                    )
+                    for fmt in plugin
+                },
                 "bf16": lambda: cpu_unquantized_gemm(bf16, x, bf16.weight, None),
                 "dequant-bf16": lambda: torch.nn.functional.linear(x, dequantised),
                 "dequant-per-call": lambda: torch.nn.functional.linear(
@@ -147,7 +170,7 @@ def run(
             }
             with torch.inference_mode():
                 ref = paths["dequant-bf16"]().float()
-                err = (paths["plugin"]().float() - ref).norm() / ref.norm()
+                err = (paths["plugin fp8"]().float() - ref).norm() / ref.norm()
                 base = timed(paths["bf16"])
                 results = {
                     name: paired(timed(fn), base, pairs=pairs, warmup=warmup)
