@@ -3,7 +3,7 @@
 
 ``tests/support/dspark_e2e.py`` serves the trained pair (``tests/data/pair``, made by ``vllm-dspark
 train-pair``: a 7-layer DeepSeek-V3 MLA target with Kimi-K3's 576-wide latent and its 2-layer
-drafter), BF16 and FP8, through ``vllm.LLM(speculative_config={"method": "dspark"})``, in its own
+drafter), BF16, FP8 and W8A8 FP8 (fp8-dynamic), through ``vllm.LLM(speculative_config={"method": "dspark"})``, in its own
 process, and records outputs, vLLM's spec-decode counters and, captured inside the engine, every
 drafting step's inputs and drafted block. The platforms:
 
@@ -205,7 +205,7 @@ def _check_blocks(blocks: list[Block]) -> int:
 def test_greedy_output_is_unchanged_by_dspark_speculation(served) -> None:
     results = served["results"]
     baseline = Baseline.of(results)
-    for name in ("bf16", "fp8"):
+    for name in ("bf16", "fp8", "fp8-dynamic"):
         baseline.assert_matches(results[name]["outputs"])
 
 
@@ -277,25 +277,33 @@ def test_draft_layers_are_mla_layers_in_the_targets_kv_cache_group(served) -> No
     assert all(method.startswith("Unquantized") for method in info["quant"].values()), info["quant"]
 
 
-def test_fp8_drafter_runs_fp8_on_exactly_the_six_kinds(served) -> None:
-    quant = served["results"]["fp8"]["worker"]["quant"]
-    fp8 = {name for name, scheme in quant.items() if scheme == "CompressedTensorsW8A16Fp8"}
+@pytest.mark.parametrize(
+    ("name", "scheme", "cpu_kernel"),
+    [
+        ("fp8", "CompressedTensorsW8A16Fp8", "CPUDequantFP8W8A16LinearKernel"),
+        ("fp8-dynamic", "CompressedTensorsW8A8Fp8", "CPUDequantFP8W8A8LinearKernel"),
+    ],
+)
+def test_fp8_drafters_run_their_scheme_on_exactly_the_six_kinds(
+    served, name: str, scheme: str, cpu_kernel: str
+) -> None:
+    quant = served["results"][name]["worker"]["quant"]
+    fp8 = {module for module, found in quant.items() if found == scheme}
     expected = {"model.context_proj"} | {
         f"model.layers.{i}.{kind}"
         for i in range(_config(served, "drafter")["num_hidden_layers"])
         for kind in ("self_attn.q_b_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     }
     assert fp8 == expected, quant
-    # On CPU through the plugin's W8A16 kernel (vLLM has none there), on GPUs through vLLM's own.
-    kernels = served["results"]["fp8"]["worker"]["quant_kernels"]
-    assert (kernels == ["CPUDequantFP8W8A16LinearKernel"]) == (
-        served["results"]["platform"] == "cpu"
-    ), kernels
+    # On CPU through the plugin's kernels (vLLM has none there, or none without AMX), on GPUs vLLM's own.
+    kernels = served["results"][name]["worker"]["quant_kernels"]
+    assert (kernels == [cpu_kernel]) == (served["results"]["platform"] == "cpu"), kernels
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp8"])
+@pytest.mark.parametrize("name", ["bf16", "fp8", "fp8-dynamic"])
 def test_drafted_blocks_match_the_reference_drafter(served, name: str) -> None:
-    drafter = served["models"]["drafter" if name == "bf16" else "drafter-fp8"]
+    """The W8A8 build's reference quantizes the same inputs the same way (ops.act_quant)."""
+    drafter = served["models"]["drafter" if name == "bf16" else f"drafter-{name}"]
     steps = served["captures"][name]
     blocks = _reference_blocks(drafter, steps)
     compared = _check_blocks(blocks)

@@ -24,9 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dspark.cpu_serving import engines
-from vllm_dspark.cpu_serving.pair import BLOCK, heldout_prompts, sampling, serve_pair
+from vllm_dspark.cpu_serving.pair import (
+    BLOCK,
+    DEFAULT_RUNS,
+    heldout_prompts,
+    sampling,
+    serve_pair,
+)
 
 PAIR = Path(__file__).resolve().parents[1] / "data" / "pair"
+# The drafter's builds served beside it: the published FP8 one, and a W8A8 one (fp8-dynamic).
+QUANTIZED = ("fp8", "fp8-dynamic")
+MODELS = ("target", "drafter", *(f"drafter-{fmt}" for fmt in QUANTIZED))
 # Held-out prompts of the trained pair (vllm-dspark train-pair), cut short: the CPU run is slow.
 PROMPTS = heldout_prompts(PAIR, 3, 24)
 # Per platform: prompts and tokens per request. The CPU run interprets vLLM's Triton kernels
@@ -39,18 +48,15 @@ SIZES = {
 
 def build_models(root: Path) -> dict[str, Path]:
     """The trained pair (a 7-layer DeepSeek-V3 MLA target with Kimi-K3's 576-wide latent and its
-    2-layer drafter, ``tests/data/pair``) linked into ``root``, and the drafter quantized to FP8
-    there."""
+    2-layer drafter, ``tests/data/pair``) linked into ``root``, and the drafter quantized there to each
+    of :data:`QUANTIZED`."""
     from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 
     for name in ("target", "drafter"):
         (root / name).symlink_to(PAIR / name, target_is_directory=True)
-    quantize_checkpoint(root / "drafter", root / "drafter-fp8", "fp8", progress=False)
-    return {
-        "target": root / "target",
-        "drafter": root / "drafter",
-        "drafter-fp8": root / "drafter-fp8",
-    }
+    for fmt in QUANTIZED:
+        quantize_checkpoint(root / "drafter", root / f"drafter-{fmt}", fmt, progress=False)
+    return {name: root / name for name in MODELS}
 
 
 class Capture:
@@ -129,6 +135,8 @@ def _describe(worker) -> dict:
 
     from vllm.model_executor.layers.linear import LinearBase
 
+    from vllm_dspark.runtime.model import linear_kernel
+
     quant, kernels = {}, set()
     for name, module in drafter.named_modules():
         # Linears only: the shared embed_tokens and lm_head and markov_w2 are embeddings.
@@ -137,8 +145,8 @@ def _describe(worker) -> dict:
             quant[name] = (
                 type(scheme).__name__ if scheme is not None else type(module.quant_method).__name__
             )
-            if hasattr(scheme, "linear_kernel"):
-                kernels.add(type(scheme.linear_kernel).__name__)
+            if scheme is not None:
+                kernels.add(type(linear_kernel(scheme)).__name__)
     shared = next((g for g in groups if set(draft_layers) <= set(g)), [])
     target_layers = [name for name in shared if name not in draft_layers]
     return {
@@ -168,7 +176,7 @@ def run(platform: str, models: dict[str, Path], out: Path) -> None:
     captures: dict[str, list] = {}
 
     def observe(run: str, llm):
-        if run not in ("bf16", "fp8"):
+        if run not in ("bf16", *QUANTIZED):
             return dict
         worker = engines.worker(llm)
         capture = Capture(worker.model_runner.speculator)
@@ -188,7 +196,14 @@ def run(platform: str, models: dict[str, Path], out: Path) -> None:
 
     results: dict[str, Any] = {"platform": platform, "block": BLOCK, **size}
     results.update(
-        serve_pair(models, prompts, size["max_tokens"], platform=platform, observe=observe)
+        serve_pair(
+            models,
+            prompts,
+            size["max_tokens"],
+            runs=(*DEFAULT_RUNS, "fp8-dynamic"),
+            platform=platform,
+            observe=observe,
+        )
     )
     if platform == "cuda":
         # The production path: the draft step (backbone + sequential Markov sampling) in a FULL CUDA graph.
@@ -243,7 +258,7 @@ def main() -> None:
         from vllm_dspark.cpu_serving import enable
 
         enable()
-    models = {name: args.models / name for name in ("target", "drafter", "drafter-fp8")}
+    models = {name: args.models / name for name in MODELS}
     run(args.platform, models, args.out)
 
 

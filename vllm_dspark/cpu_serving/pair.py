@@ -26,11 +26,15 @@ RUNS: dict[str, tuple[str | None, dict[str, str]]] = {
     "baseline": (None, {}),
     "bf16": ("drafter", {}),
     "fp8": ("drafter-fp8", {}),
+    # A W8A8 build (fp8-dynamic): inputs quantized per token on the plugin's CPU kernel.
+    "fp8-dynamic": ("drafter-fp8-dynamic", {}),
     "probabilistic": (
         "drafter",
         {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"},
     ),
 }
+# What serves unless asked: the pair as `train-pair` writes it and its FP8 build.
+DEFAULT_RUNS = ("baseline", "bf16", "fp8", "probabilistic")
 # An engine run hook: called with the run's name and its engine before generating, it returns the
 # function that, after generating, gives what the run adds to its results.
 Observer = Callable[[str, Any], Callable[[], dict[str, Any]]]
@@ -68,12 +72,12 @@ def serve_pair(
     prompts: Sequence[Sequence[int]],
     max_tokens: int,
     *,
-    runs: Sequence[str] = tuple(RUNS),
+    runs: Sequence[str] = DEFAULT_RUNS,
     platform: str = "cpu",
     observe: Observer | None = None,
     log: Callable[[str], None] = lambda line: None,
 ) -> dict[str, dict[str, Any]]:
-    """Each of ``runs`` on a fresh engine over ``models`` (``target``, ``drafter``, ``drafter-fp8``)."""
+    """Each of ``runs`` on a fresh engine over ``models`` (``target`` and the drafters :data:`RUNS` name)."""
     requests = [{"prompt_token_ids": list(p)} for p in prompts]
     results: dict[str, dict[str, Any]] = {}
     for i, run in enumerate(runs, 1):
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=10)
-    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(DEFAULT_RUNS))
     args = parser.parse_args(argv)
     if args.platform == "cpu":
         from vllm_dspark.cpu_serving import enable
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": args.pair / "target",
         "drafter": args.pair / "drafter",
         "drafter-fp8": args.fp8 or args.pair / "drafter-fp8",
+        "drafter-fp8-dynamic": args.pair / "drafter-fp8-dynamic",
     }
     prompts = heldout_prompts(args.pair, args.prompts, args.prompt_tokens)
     results = serve_pair(

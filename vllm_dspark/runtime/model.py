@@ -153,16 +153,23 @@ def _draft_quant_config(
     return quant_config, plan
 
 
+def linear_kernel(scheme: object) -> object:
+    """The kernel a quantized linear's scheme runs (vLLM names it per scheme), or the scheme itself."""
+    for attr in ("linear_kernel", "fp8_linear", "kernel"):
+        if getattr(scheme, attr, None) is not None:
+            return getattr(scheme, attr)
+    return scheme
+
+
 def _log_linear_kernels(model: nn.Module) -> None:
     """One INFO line naming the kernel vLLM picked for each quantized linear (it chooses per platform)."""
     by_kernel: dict[str, list[str]] = defaultdict(list)
     for name, module in model.named_modules():
         scheme = getattr(module, "scheme", None)
         if isinstance(module, LinearBase) and scheme is not None:
-            kernel = (
-                getattr(scheme, "linear_kernel", None) or getattr(scheme, "kernel", None) or scheme
+            by_kernel[f"{type(scheme).__name__} via {type(linear_kernel(scheme)).__name__}"].append(
+                name
             )
-            by_kernel[f"{type(scheme).__name__} via {type(kernel).__name__}"].append(name)
     if by_kernel:
         logger.info(
             "K3 DSpark drafter quantized linears: %s",
