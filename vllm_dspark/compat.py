@@ -103,7 +103,7 @@ WFP8A16_KERNELS = Touchpoint(
 W8A8_FP8_KERNELS = Touchpoint(
     "w8a8_fp8_kernels",
     "vllm.model_executor.kernels.linear:_POSSIBLE_FP8_KERNELS",
-    "vLLM's CPU W8A8 FP8 kernels need AMX or quantize the weights' GEMM per call; cpu_fp8 adds one",
+    "vLLM's CPU W8A8 FP8 kernels need AMX, else run torch._scaled_mm per call; cpu_fp8 adds one first",
 )
 W8A8_FP8_BLOCK_KERNELS = Touchpoint(
     "w8a8_fp8_block_kernels",

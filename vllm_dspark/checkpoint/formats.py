@@ -189,6 +189,11 @@ class QuantFormat:
         return weight_snr_db(weight, dict(tensors), self.name)
 
     @property
+    def row_block(self) -> int:
+        """Rows per scale row: a block format's block height, else 1 (a chunk must hold whole blocks)."""
+        return self.block[0] if self.block else 1
+
+    @property
     def row_separable(self) -> bool:
         """Whether rows quantize independently (given any global scale): a weight may stream in row chunks."""
         return self.strategy != "tensor"
@@ -288,6 +293,11 @@ class FP8Static(QuantFormat):
     compiled_kernels = False
     contract = FP8.contract
     activation = ActScheme("fp8_tensor")
+    fused_shares_scale = True  # vLLM requantizes fused shards to their largest scale otherwise
+    # process_fp8_weight_tensor_strategy requantizes every per-tensor weight with scaled_fp8_quant.
+    cpu_gap = (
+        "vLLM requantizes per-tensor FP8 weights at load with a CUDA-only op (scaled_fp8_quant)"
+    )
     input_args = {
         **_FP8_INPUTS,
         "strategy": "tensor",
@@ -306,23 +316,13 @@ class FP8Static(QuantFormat):
     def identify(self, dtypes: Mapping[str, str]) -> bool:
         return dtypes.get("weight") == "F8_E4M3" and "input_scale" in dtypes
 
-    fused_shares_scale = True  # vLLM requantizes fused shards to their largest scale otherwise
-    # process_fp8_weight_tensor_strategy requantizes every per-tensor weight with scaled_fp8_quant.
-    cpu_gap = (
-        "vLLM requantizes per-tensor FP8 weights at load with a CUDA-only op (scaled_fp8_quant)"
-    )
-
     def input_scales(self) -> dict[str, torch.Tensor]:
         return {"input_scale": torch.tensor([CALIBRATION_FREE_INPUT_AMAX / 448.0])}
 
     def shared_global_scale(self, weights: Iterable[torch.Tensor]) -> torch.Tensor:
         """The one weight scale a fused group shares: its largest magnitude / 448."""
-        lo, hi = zip(*(torch.aminmax(w.detach()) for w in weights))
-        return _scales(
-            torch.stack([torch.stack(lo).min(), torch.stack(hi).max()]).float()[None],
-            self.name,
-            None,
-        )
+        # The per-tensor scale of the two extremes is the scale of everything between them.
+        return _scales(torch.stack(_value_range(weights))[None], self.name, None)
 
     def quantize(
         self, weight: torch.Tensor, global_scale: torch.Tensor | None = None
@@ -432,8 +432,8 @@ class NVFP4(_FP4):
         """
         from compressed_tensors.quantization.utils import generate_gparam
 
-        lo, hi = zip(*(torch.aminmax(w.detach()) for w in weights))
-        return generate_gparam(torch.stack(lo).min().float(), torch.stack(hi).max().float())
+        lo, hi = _value_range(weights)
+        return generate_gparam(lo, hi)
 
 
 @register
@@ -463,6 +463,12 @@ class NVFP4W4A4(NVFP4):
 
     def input_scales(self) -> dict[str, torch.Tensor]:
         return {"input_global_scale": torch.tensor([448.0 * FP4_MAX / CALIBRATION_FREE_INPUT_AMAX])}
+
+
+def _value_range(weights: Iterable[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 minimum and maximum over all of ``weights`` (a fused group's shards)."""
+    lo, hi = zip(*(torch.aminmax(w.detach()) for w in weights))
+    return torch.stack(lo).min().float(), torch.stack(hi).max().float()
 
 
 def _scheme(fmt: str) -> QuantizationScheme:
@@ -562,7 +568,7 @@ def _chunk_scales(
     """``(rows, float32 chunk, its scales)`` per row chunk; a per-tensor scale is the whole weight's."""
     f = get(fmt)
     whole = None if f.row_separable else _scales(weight.float(), fmt, global_scale)
-    for rows in _row_chunks(*weight.shape, align=f.block[0] if f.block else 1):
+    for rows in _row_chunks(*weight.shape, align=f.row_block):
         x = weight[rows].float()
         yield rows, x, whole if whole is not None else _scales(x, fmt, global_scale)
 
@@ -614,7 +620,7 @@ def _error_sums(
 ) -> tuple[float, float]:
     """|W|^2 and |W - dequant(Q)|^2 of a quantized weight, dequantized chunk by chunk."""
     signal = noise = 0.0
-    r = get(fmt).block[0] if get(fmt).block else 1
+    r = get(fmt).row_block
     for rows in _row_chunks(*weight.shape, align=r):
         # Per-row tensors are 2-D (a block format's scales one row per r rows); global and per-tensor
         # scales are 1-D and serve every chunk.

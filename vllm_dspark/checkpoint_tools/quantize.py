@@ -190,7 +190,7 @@ def _rows(item: _Item) -> list[slice]:
     if item.fmt is not None and not formats.get(item.fmt).row_separable:
         return [slice(0, n)]
     # A block format's chunks hold whole blocks of rows (each block has one row of scales).
-    align = formats.get(item.fmt).block[0] if item.fmt and formats.get(item.fmt).block else 1
+    align = formats.get(item.fmt).row_block if item.fmt else 1
     step = max(1, _CHUNK_BYTES // max(item.stored.nbytes // max(n, 1), 1) // align) * align
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
