@@ -203,6 +203,12 @@ CPU_SKIP_GEMM_DISPATCH = Touchpoint(
     "vLLM's CPU linears drop kv_b_proj's weight unless flagged; the absorbed decode path reads it",
     reads="_cpu_skip_gemm_dispatch",
 )
+DEQUANT_WEIGHTS = Touchpoint(
+    "dequant_weights",
+    "vllm.model_executor.layers.quantization.utils.quant_utils:get_and_maybe_dequant_weights",
+    "vLLM's MLA absorbs kv_b_proj as this returns it (dequantized, input never quantized); the "
+    "torch attention up-projects with the same weight",
+)
 ATTENTION_K_SCALE = Touchpoint(
     "attention_k_scale",
     "vllm.model_executor.layers.attention.attention:set_default_quant_scales",
@@ -251,6 +257,7 @@ TOUCHPOINTS = (
     K3_MLA_BACKEND_SELECTOR,
     K3_MLA_DECODE_CONCAT_CACHE,
     CPU_SKIP_GEMM_DISPATCH,
+    DEQUANT_WEIGHTS,
     ATTENTION_K_SCALE,
     UPSTREAM_CONTEXT_KV,
     ATTENTION_BACKENDS,
@@ -451,6 +458,11 @@ def k3_mla_backend(backend: type) -> contextlib.AbstractContextManager[Any]:
 def keep_weight_on_cpu(layer: Any) -> None:
     """Stop vLLM's CPU GEMM dispatch from repacking and dropping ``layer.weight``."""
     setattr(layer, CPU_SKIP_GEMM_DISPATCH.reads, True)
+
+
+def absorbed_weight(layer: Any, dtype: Any) -> Any:
+    """``layer``'s weight [out, in] as vLLM's MLA absorbs it: dequantized, in ``dtype``."""
+    return DEQUANT_WEIGHTS.resolve()(layer, out_dtype=dtype)
 
 
 def kv_cache_scale(layer: Any) -> Any:

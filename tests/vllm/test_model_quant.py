@@ -297,6 +297,7 @@ def test_quantization_other_than_compressed_tensors_is_refused(
     tiny_mla_target: Path, tiny_checkpoint: Path
 ) -> None:
     with pytest.raises(
-        ValueError, match=r"serves BF16 or compressed-tensors checkpoints, but its quantization is "
+        ValueError,
+        match=r"serves BF16, compressed-tensors or ModelOpt checkpoints, but its quantization is ",
     ):
         load_drafter(tiny_mla_target, tiny_checkpoint, dtype="bfloat16", quantization="fp8")

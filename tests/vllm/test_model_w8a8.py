@@ -2,13 +2,20 @@
 """W8A8 FP8 drafters in vLLM on CPU: compressed-tensors' FP8_DYNAMIC, FP8 (static) and FP8_BLOCK builds,
 made by this project's quantizer, load with vLLM's W8A8 scheme on exactly the recipe's modules, run on
 the plugin's CPU kernels (:mod:`vllm_dspark.runtime.cpu_fp8`), and match the FP32 reference drafter under
-the same activation quantization (:mod:`vllm_dspark.ops.act_quant`)."""
+the same activation quantization (:mod:`vllm_dspark.ops.act_quant`).
+
+ModelOpt builds (its tensors, quant_algo and excludes by checkpoint name), full and partial, load with
+vLLM's ModelOpt linear method on exactly the stored-quantized modules (excludes renumbered to the
+runtime layers). vLLM serves ModelOpt in BF16 only, so each is checked weight for weight against the
+compressed-tensors build of the same modules and numerics, which is checked in FP32 against the
+reference drafter."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.vllm_drafter import Served, assert_hooks_match_reference, load_drafter
 
@@ -108,3 +115,122 @@ def test_builds_vllm_cannot_run_on_cpu_are_refused_by_name(
         match=rf"is stored as {fmt}, which vLLM cannot serve on CPU.*Fix: serve it on a GPU",
     ):
         load_drafter(small_target, build)
+
+
+# ----- ModelOpt -----
+# With every linear W8A8, more inputs sit on an FP8 rounding boundary that FP32 summation order tips
+# (each kind alone matches to ~1e-6); measured 2.6e-2 over the five layers of the full build.
+ALL_W8A8_HOOK_BOUNDS = {**W8A8_HOOK_BOUNDS, "forward": 5e-2}
+
+_ATTN_A = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")
+_EVERY = (
+    "context_proj",
+    "self_attn.fused_qkv_a_proj",
+    "self_attn.q_b_proj",
+    "self_attn.kv_b_proj",
+    "self_attn.o_proj",
+    "mlp.gate_up_proj",
+    "mlp.down_proj",
+    "context_kv_proj",
+)
+
+
+def _modelopt_build(
+    source: Path,
+    fmt: str,
+    root: Path,
+    leave_out: tuple[str, ...] = (),
+    export: str = "modelopt",
+) -> Path:
+    from vllm_dspark.checkpoint.layout import MODULE_SETS
+    from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
+
+    out = root / f"{export}-{fmt}-{len(leave_out)}"
+    kinds = [k for k in MODULE_SETS["modelopt"] if k not in leave_out]
+    quantize_checkpoint(source, out, fmt, kinds, progress=False, export=export)
+    return out
+
+
+def _quantized_layers(served: Served) -> dict[str, object]:
+    """``{runtime kind: ModelOpt linear method}`` of every quantized linear (layer index dropped)."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    out = {}
+    for name, module in served.model.named_modules():
+        if isinstance(module, LinearBase) and not isinstance(
+            module.quant_method, UnquantizedLinearMethod
+        ):
+            out[name.split(".", 3)[-1] if ".layers." in name else name.split(".")[-1]] = (
+                module.quant_method
+            )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("leave_out", "bf16"),
+    [
+        ((), ()),
+        (_ATTN_A, ("self_attn.fused_qkv_a_proj", "context_kv_proj")),
+        (("context_proj",), ("context_proj",)),
+    ],
+    ids=["full", "without-q_a-kv_a", "without-context_proj"],
+)
+def test_modelopt_fp8_pc_pt_serves_exactly_its_quantized_modules(
+    leave_out: tuple[str, ...],
+    bf16: tuple[str, ...],
+    small_target: Path,
+    small_checkpoint: Path,
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        kFp8DynamicTokenSym,
+        kFp8StaticTokenSym,
+    )
+
+    from vllm_dspark.reference.drafter import ReferenceDrafter
+
+    build = _modelopt_build(small_checkpoint, "fp8-dynamic", tmp_path, leave_out)
+    twin = _modelopt_build(
+        small_checkpoint, "fp8-dynamic", tmp_path, leave_out, export="compressed-tensors"
+    )
+    qc = json.loads((build / "config.json").read_text())["quantization_config"]
+    assert qc["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN" and qc["quant_method"] == "modelopt"
+    # ModelOpt's spelling: checkpoint layer numbers, which vLLM's own matching never sees at runtime.
+    assert all(f"*layers.0.{k}" in qc["exclude_modules"] for k in leave_out if k != "context_proj")
+    served = load_drafter(small_target, build, dtype="bfloat16")
+    quantized = _quantized_layers(served)
+    assert set(quantized) == set(_EVERY) - set(bf16)
+    for method in quantized.values():
+        assert type(method).__name__ == "ModelOptLinearMethod"
+        assert (method.spec.weight, method.spec.activation) == (
+            kFp8StaticTokenSym,
+            kFp8DynamicTokenSym,
+        )
+        assert type(method.kernel).__name__ == "CPUDequantFP8W8A8LinearKernel"
+    # The compressed-tensors twin runs the same dequantized weights and input quantization ...
+    twin_served = load_drafter(small_target, twin, dtype="bfloat16")
+    twin_layers = dict(twin_served.model.named_modules())
+    for name, module in served.model.named_modules():
+        if hasattr(module, "dspark_input_quant"):
+            other = twin_layers[name]
+            assert torch.equal(module.weight, other.weight), name
+            assert module.dspark_input_quant[0] == other.dspark_input_quant[0], name
+    # ... and in FP32 it is the reference drafter under the same activation quantization.
+    assert_hooks_match_reference(
+        load_drafter(small_target, twin),
+        ReferenceDrafter.from_pretrained(build),
+        norm_rtol=ALL_W8A8_HOOK_BOUNDS,
+    )
+
+
+@pytest.mark.parametrize("fmt", ["fp8-static", "nvfp4-w4a4", "nvfp4"])
+def test_modelopt_builds_vllm_cannot_run_on_cpu_are_refused_by_name(
+    fmt: str, small_target: Path, small_checkpoint: Path, tmp_path: Path
+) -> None:
+    from vllm_dspark.findings import FindingError
+
+    build = _modelopt_build(small_checkpoint, fmt, tmp_path)
+    with pytest.raises(FindingError, match=rf"is stored as {fmt}, which vLLM cannot serve on CPU"):
+        load_drafter(small_target, build, dtype="bfloat16")

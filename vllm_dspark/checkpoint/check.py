@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_dspark.checkpoint import formats, quant_plan
+from vllm_dspark.checkpoint import modelopt, quant_plan
 from vllm_dspark.checkpoint.layout import (
     TARGET_HEADS,
     ModuleSpec,
@@ -22,6 +22,7 @@ from vllm_dspark.checkpoint.store import (
     human_params,
     read_checkpoint,
     shape_mismatches,
+    stored_tensor_specs,
 )
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.findings import Finding, FindingError, errors, os_error_finding, render
@@ -38,6 +39,7 @@ class CheckReport:
     findings: list[Finding] = field(default_factory=list)
     quantized_modules: dict[str, str] = field(default_factory=dict)  # HF module name -> fmt
     config_groups: int = 0
+    source: str = "none"  # whose quantization config: "compressed-tensors", "ModelOpt" or "none"
     summary: list[str] = field(default_factory=list)
 
     @property
@@ -68,8 +70,9 @@ def _tensor_problems(
     quantized: dict[str, str],
     stored: dict[str, StoredTensor],
     stray: tuple[str, ...],
+    encoding: str,
 ) -> list[Finding]:
-    expected = expected_tensors(config, quantized)
+    expected = expected_tensors(config, quantized, encoding)
     found = {k: t.shape for k, t in stored.items() if k not in stray}
     missing, misshaped, unexpected = shape_mismatches(
         found, {k: t.shape for k, t in expected.items()}
@@ -131,8 +134,15 @@ def _tensor_problems(
     return problems
 
 
+# An NVFP4 weight's per-tensor global scale: compressed-tensors' name, then ModelOpt's.
+_GLOBAL_SCALES = ("weight_global_scale", "weight_scale_2")
+
+
 def _scale_problems(
-    specs: list[ModuleSpec], quantized: dict[str, str], stored: dict[str, StoredTensor]
+    specs: list[ModuleSpec],
+    quantized: dict[str, str],
+    stored: dict[str, StoredTensor],
+    encoding: str,
 ) -> list[Finding]:
     problems = []
     global_scales: dict[str, float] = {}
@@ -140,7 +150,7 @@ def _scale_problems(
         fmt = quantized.get(spec.name)
         if fmt is None:
             continue
-        for suffix in formats.get(fmt).tensor_specs(spec.shape):
+        for suffix in stored_tensor_specs(fmt, spec.shape, encoding):
             key = f"{spec.name}.{suffix}"
             if not suffix.endswith("scale") or key not in stored:
                 continue  # a missing scale is already a missing-tensor problem
@@ -154,16 +164,18 @@ def _scale_problems(
                         key,
                     )
                 )
-            if suffix == "weight_global_scale" and scale.numel() == 1:
+            if suffix in _GLOBAL_SCALES and scale.numel() == 1:
                 global_scales[spec.name] = float(scale)
+    name = _GLOBAL_SCALES[0 if encoding != modelopt.ENCODING else 1]
     for fused, members in fused_module_groups(global_scales).items():
         values = {global_scales[m] for m in members}
         if len(values) > 1:
             listed = ", ".join(f"{m}={global_scales[m]:.6g}" for m in members)
             problems.append(
                 Finding(
-                    f"NVFP4 weight_global_scale differs across the fused modules ({listed}), but "
-                    "vLLM applies one global scale to the fused layer",
+                    f"NVFP4 {name} differs across the fused modules ({listed}), but "
+                    "vLLM applies one global scale to the fused layer (without rescaling the "
+                    "block scales)",
                     f"{_REQUANTIZE}, which gives fused modules a shared global scale",
                     fused,
                 )
@@ -183,7 +195,7 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
     except OSError as e:
         report.findings.append(os_error_finding(e))
         return report
-    raw, config, stored = checkpoint.config_json, checkpoint.config, checkpoint.stored
+    config, stored = checkpoint.config, checkpoint.stored
     specs = checkpoint_modules(config)
     size = sum(t.nbytes for t in stored.values())
     report.summary.append(
@@ -198,7 +210,7 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
     if target.is_file():
         report.summary.append(f"target heads (shared embedding and lm_head): {target}")
 
-    qc: dict[str, Any] | None = raw.get("quantization_config")
+    qc: dict[str, Any] | None = checkpoint.quantization_config
     quantized, stray = _check_quantization(report, config, qc, stored)
     if quantized is None:
         return report  # an unreadable quantization_config says nothing about the tensors
@@ -210,8 +222,9 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
     else:
         _summarize_quantization(report, quantized, specs)
     report.quantized_modules = quantized
-    report.findings += _scale_problems(specs, quantized, stored)
-    report.findings += _tensor_problems(config, quantized, stored, stray)
+    encoding = modelopt.ENCODING if report.source == "ModelOpt" else "compressed-tensors"
+    report.findings += _scale_problems(specs, quantized, stored, encoding)
+    report.findings += _tensor_problems(config, quantized, stored, stray, encoding)
     return report
 
 
@@ -223,6 +236,9 @@ def _check_quantization(
     When the plan is refused, the tensors are checked against what ``qc`` says (None if it is unreadable).
     """
     report.config_groups = len((qc or {}).get("config_groups") or {})
+    report.source = (
+        "none" if qc is None else "ModelOpt" if modelopt.is_modelopt(qc) else "compressed-tensors"
+    )
     try:
         plan = quant_plan.resolve(config, qc, {key: t.dtype for key, t in stored.items()})
     except quant_plan.QuantPlanError as e:
@@ -238,6 +254,12 @@ def _check_quantization(
     return plan.modules, plan.stray
 
 
+def _config_shape(report: CheckReport) -> str:
+    if report.source == "ModelOpt":
+        return "ModelOpt"
+    return f"{report.config_groups} config group(s)"
+
+
 def _summarize_quantization(
     report: CheckReport, quantized: dict[str, str], specs: list[ModuleSpec]
 ) -> None:
@@ -245,7 +267,7 @@ def _summarize_quantization(
     quantized_params = sum(math.prod(s.shape) for s in specs if s.name in quantized)
     dense_params = sum(math.prod(s.shape) + (s.shape[0] if s.bias else 0) for s in specs)
     report.summary.append(
-        f"quantization_config: {report.config_groups} config group(s), format {', '.join(fmts) or 'none'}: "
+        f"quantization_config: {_config_shape(report)}, format {', '.join(fmts) or 'none'}: "
         f"{len(quantized)} quantized modules ({human_params(quantized_params)} of {human_params(dense_params)} "
         f"params, {100 * quantized_params / max(dense_params, 1):.0f} %), {len(specs) - len(quantized)} unquantized "
         "modules"

@@ -85,6 +85,7 @@ class QuantFormat:
     activation: ActScheme | None = None  # how vLLM quantizes the input; None: weight-only (W*A16)
     cpu_gap: str | None = None  # why vLLM cannot build it on CPU, even with the plugin's kernels
     input_args: dict[str, Any] | None = None  # the preset's input activation args, as data
+    modelopt_algo: str | None = None  # ModelOpt's quant_algo for the same numerics, if it has one
 
     @functools.cached_property
     def scheme(self) -> QuantizationScheme:
@@ -279,6 +280,7 @@ class FP8Dynamic(FP8):
     description = QUANT_FORMATS["fp8-dynamic"]
     activation = ActScheme("fp8_token")
     input_args = {**_FP8_INPUTS, "strategy": "token", "dynamic": True}
+    modelopt_algo = "FP8_PER_CHANNEL_PER_TOKEN"
 
 
 @register
@@ -304,6 +306,7 @@ class FP8Static(QuantFormat):
         "dynamic": False,
         "observer": "static_minmax",
     }
+    modelopt_algo = "FP8"
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         scalar = TensorSpec(torch.float32, (1,), also=(torch.bfloat16, torch.float16))
@@ -416,6 +419,7 @@ class NVFP4(_FP4):
     strategy, group_size = "tensor_group", 16
     scale_dtype = torch.float8_e4m3fn
     has_global_scale = fused_shares_scale = True
+    modelopt_algo = "W4A16_NVFP4"
 
     def identify(self, dtypes: Mapping[str, str]) -> bool:
         return (
@@ -444,6 +448,7 @@ class NVFP4W4A4(NVFP4):
     preset = "NVFP4"
     description = QUANT_FORMATS["nvfp4-w4a4"]
     activation = ActScheme("nvfp4")
+    modelopt_algo = "NVFP4"
     input_args = {
         "num_bits": 4,
         "type": "float",

@@ -107,6 +107,13 @@ FP8_RECIPE: tuple[str, ...] = (
     "context_proj",
 )
 
+# vLLM's MLA absorbs these into the query and output: their dequantized weight is used and their
+# input is never quantized, so a W8A8 format quantizes only their weights.
+ABSORBED_KINDS: tuple[str, ...] = ("self_attn.kv_b_proj",)
+
+# Named --include-layers choices: the published build's set, and ModelOpt's (every linear but the heads).
+MODULE_SETS: dict[str, tuple[str, ...]] = {"recipe": FP8_RECIPE, "modelopt": QUANTIZABLE_KINDS}
+
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 

@@ -10,6 +10,7 @@ from vllm_dspark.checkpoint.formats import ACTIVATION_FIELDS, REGISTRY, WEIGHT_F
 from vllm_dspark.checkpoint.layout import (
     GLOBAL_KINDS,
     LAYER_KINDS,
+    MODULE_SETS,
     QUANTIZABLE_KINDS,
     checkpoint_modules,
     kind_regex,
@@ -29,15 +30,16 @@ if TYPE_CHECKING:
 def validate_include_kinds(
     include_kinds: Sequence[str], fmt: str, config: "K3DSparkConfig"
 ) -> tuple[str, ...]:
-    """The included kinds in checkpoint order; ``ValueError`` naming the fix for any bad choice."""
-    kinds = list(dict.fromkeys(include_kinds))
+    """The included kinds in checkpoint order (a named set expanded); ``ValueError`` naming the fix for any bad choice."""
+    kinds = list(dict.fromkeys(k for n in include_kinds for k in MODULE_SETS.get(n, (n,))))
     if not kinds:
         raise ValueError(f"--include-layers is empty; choose from: {' '.join(QUANTIZABLE_KINDS)}")
     unknown = [k for k in kinds if k not in LAYER_KINDS and k not in GLOBAL_KINDS]
     if unknown:
         raise ValueError(
             f"unknown layer name(s) in --include-layers: {', '.join(map(repr, unknown))}. Layer names are "
-            f"index-agnostic module kinds; valid ones: {' '.join(QUANTIZABLE_KINDS)}"
+            f"index-agnostic module kinds; valid ones: {' '.join(QUANTIZABLE_KINDS)}, or a named set: "
+            f"{' '.join(MODULE_SETS)}"
         )
     specs = {s.kind: s for s in checkpoint_modules(config)}
     refused = [k for k in kinds if k not in QUANTIZABLE_KINDS]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_dspark.checkpoint import formats, quant_config
+from vllm_dspark.checkpoint import formats, modelopt, quant_config
 from vllm_dspark.checkpoint.layout import (
     FUSED_GROUPS,
     QUANTIZABLE_KINDS,
@@ -52,6 +52,8 @@ class QuantPlan:
     """``modules``: checkpoint module -> format of every quantized module (the rest are stored BF16)."""
 
     modules: dict[str, str] = field(default_factory=dict)
+    # Whose tensor names and scale conventions the quantized modules use: "compressed-tensors" or "modelopt".
+    encoding: str = "compressed-tensors"
     # Set when the config is outside the spec but the tensors are unambiguous.
     warning: Finding | None = None
     stray: tuple[str, ...] = ()  # stored tensors the served model drops (see :func:`is_stray`)
@@ -108,7 +110,9 @@ def _stored_plan(specs: list[ModuleSpec], dtypes: Mapping[str, str]) -> dict[str
     for key, dtype in dtypes.items():
         module, _, suffix = key.rpartition(".")
         by_module.setdefault(module, {})[suffix] = dtype
-    return {s.name: _stored_format(by_module.get(s.name, {})) for s in specs}
+    return {
+        s.name: _stored_format(modelopt.canonical_dtypes(by_module.get(s.name, {}))) for s in specs
+    }
 
 
 def _check_storage(specs: list[ModuleSpec], stored: dict[str, _Stored]) -> None:
@@ -250,6 +254,53 @@ class _Config:
         return list(entries)
 
 
+@dataclass
+class _ModelOptConfig:
+    """A parsed ModelOpt config: every linear in its one format unless an exclude entry names it."""
+
+    parsed: modelopt.Config
+
+    @classmethod
+    def parse(cls, quantization_config: Mapping[str, Any]) -> _ModelOptConfig:
+        try:
+            return cls(modelopt.Config.parse(quantization_config))
+        except ValueError as e:
+            raise QuantPlanError(
+                Finding(
+                    str(e),
+                    "quantize the BF16 checkpoint with ModelOpt's drafter quantizer or "
+                    "`vllm-dspark quantize --export modelopt`",
+                    "quantization_config",
+                )
+            ) from None
+
+    def plan(
+        self, specs: list[ModuleSpec], start_layer_id: int | None, lenient: Mapping[str, str]
+    ) -> dict[str, tuple[str | None, str | None]]:
+        """``{module: (fmt or None, why)}``; ModelOpt's globs need no lenient reading."""
+        algo = formats.get(self.parsed.fmt).modelopt_algo
+        out: dict[str, tuple[str | None, str | None]] = {}
+        for spec in specs:
+            entry = self.parsed.excluded_by(_names(spec, start_layer_id))
+            if spec.role != "linear":
+                out[spec.name] = (None, "ModelOpt quantizes linears only")
+            elif entry is not None:
+                out[spec.name] = (None, f"exclude {entry!r}")
+            else:
+                out[spec.name] = (self.parsed.fmt, f"quant_algo {algo}, not excluded")
+        return out
+
+    def dead_entries(self, specs: list[ModuleSpec], start_layer_id: int | None) -> list[str]:
+        return []  # ModelOpt excludes norms and embeddings by name too: an unused entry is no mistake
+
+
+def _parse(quantization_config: Mapping[str, Any]) -> _Config | _ModelOptConfig:
+    """The config's reader: ModelOpt's or compressed-tensors'."""
+    if modelopt.is_modelopt(quantization_config):
+        return _ModelOptConfig.parse(quantization_config)
+    return _Config.parse(quantization_config)
+
+
 def _disagreement(spec: ModuleSpec, stored: str | None, said: str | None, why: str) -> Finding:
     """The conflict between ``stored`` (:func:`_shown`) and what the config ``said``, with its fix."""
     if stored is None:
@@ -299,7 +350,8 @@ def resolve(
             )
         return QuantPlan({}, stray=stray)
 
-    parsed = _Config.parse(quantization_config)
+    parsed = _parse(quantization_config)
+    encoding = modelopt.ENCODING if isinstance(parsed, _ModelOptConfig) else "compressed-tensors"
     start = getattr(config, "target_num_hidden_layers", None)
 
     def reading(lenient: Mapping[str, str]) -> tuple[dict[str, str], list[Finding]]:
@@ -314,7 +366,7 @@ def resolve(
 
     modules, strict = reading({})
     if not strict:
-        return QuantPlan(modules, stray=stray)
+        return QuantPlan(modules, encoding=encoding, stray=stray)
     readings = {e: r for e in parsed.dead_entries(specs, start) if (r := _lenient(e)) is not None}
     if readings:
         modules, conflicts = reading({e: regex for e, (regex, _) in readings.items()})
@@ -335,7 +387,7 @@ def resolve(
                 f"rewrite them: {listed}",
                 severity="warning",
             )
-            return QuantPlan(modules, warning=warning, stray=stray)
+            return QuantPlan(modules, encoding=encoding, warning=warning, stray=stray)
     more = f" (and {len(strict) - 1} more module(s))" if len(strict) > 1 else ""
     raise QuantPlanError(
         Finding(
@@ -351,7 +403,7 @@ def _agrees(stored: tuple[str, ...] | None, said: str | None) -> bool:
 
 def declared(config: K3DSparkConfig, quantization_config: Mapping[str, Any]) -> dict[str, str]:
     """``{module: fmt}`` that ``quantization_config`` alone quantizes, read strictly (what the tensors must hold)."""
-    said = _Config.parse(quantization_config).plan(
+    said = _parse(quantization_config).plan(
         checkpoint_modules(config), getattr(config, "target_num_hidden_layers", None), {}
     )
     return {name: fmt for name, (fmt, _) in said.items() if fmt is not None}
@@ -360,15 +412,25 @@ def declared(config: K3DSparkConfig, quantization_config: Mapping[str, Any]) -> 
 def vllm_quantization_config(
     plan: QuantPlan, config: K3DSparkConfig, *, start_layer_id: int, prefix: str = "model"
 ) -> dict[str, Any] | None:
-    """The compressed-tensors config vLLM serves ``plan`` with: the runtime names of the quantized modules.
+    """The config vLLM serves ``plan`` with, naming modules by their runtime names. None if nothing is quantized.
 
-    One config group per format, exact runtime names (vLLM's fused layers match through their
-    shards with ``packed_modules_mapping``), no ignore list, no class targets. None if nothing is quantized.
+    compressed-tensors: one config group per format, exact runtime names of the quantized modules
+    (vLLM's fused layers match through their shards with ``packed_modules_mapping``), no ignore list,
+    no class targets. ModelOpt: its one quant_algo, excluding the exact runtime names of the rest.
     """
     if not plan.modules:
         return None
+    specs = checkpoint_modules(config)
+    if plan.encoding == modelopt.ENCODING:
+        (fmt,) = set(plan.modules.values())
+        bf16 = [
+            runtime_name(s, start_layer_id, prefix)
+            for s in specs
+            if s.role == "linear" and s.name not in plan.modules
+        ]
+        return modelopt.quantization_config(fmt, bf16)
     targets: dict[str, list[str]] = {}
-    for spec in checkpoint_modules(config):
+    for spec in specs:
         if spec.name in plan.modules:
             targets.setdefault(plan.modules[spec.name], []).append(
                 runtime_name(spec, start_layer_id, prefix)

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint import formats, modelopt
 from vllm_dspark.checkpoint.formats import TensorSpec
-from vllm_dspark.checkpoint.layout import checkpoint_modules
+from vllm_dspark.checkpoint.layout import ABSORBED_KINDS, checkpoint_modules, module_kind
 from vllm_dspark.checkpoint.quant_plan import QuantPlan, QuantPlanError, is_stray, resolve
 from vllm_dspark.checkpoint.st_io import (
     StoredTensor,
@@ -110,6 +110,32 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     return raw
 
 
+def read_quantization_config(
+    model_dir: str | Path, raw: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """The drafter's quantization config: config.json's, else hf_quant_config.json's (older ModelOpt
+    exports keep it only there, and vLLM reads it from there too)."""
+    if raw.get("quantization_config") is not None:
+        return raw["quantization_config"]
+    path = Path(model_dir) / modelopt.HF_QUANT_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        qc = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FindingError(
+            Finding(f"{path} is not valid JSON ({e})", "use the file the checkpoint came with")
+        ) from None
+    if not isinstance(qc, dict) or not modelopt.is_modelopt(qc):
+        raise FindingError(
+            Finding(
+                f'{path} is not a ModelOpt quantization config (no producer "modelopt")',
+                "use the file the checkpoint came with, or remove it for a BF16 checkpoint",
+            )
+        )
+    return qc
+
+
 def load_config(model_dir: str | Path) -> K3DSparkConfig:
     """The ``K3DSparkConfig`` of ``model_dir``; every problem is a ``ValueError`` naming the file."""
     return _parse_config(read_config_json(model_dir), Path(model_dir) / CONFIG_NAME)
@@ -146,12 +172,14 @@ def _describe(config: K3DSparkConfig) -> str:
 
 
 def expected_tensors(
-    config: K3DSparkConfig, quantized: Mapping[str, str] | None = None
+    config: K3DSparkConfig,
+    quantized: Mapping[str, str] | None = None,
+    encoding: str = "compressed-tensors",
 ) -> dict[str, TensorSpec]:
     """``{key: TensorSpec}`` a checkpoint for ``config`` must hold; ``quantized`` maps module -> format.
 
     An unquantized tensor is BF16 (F16 and F32 also load); a quantized module holds its format's
-    tensors (packed codes and scales) instead of ``weight``.
+    tensors (packed codes and scales) in ``encoding``'s names instead of ``weight``.
     """
     quantized = quantized or {}
     expected: dict[str, TensorSpec] = {}
@@ -160,11 +188,20 @@ def expected_tensors(
         if fmt is None:
             expected[f"{spec.name}.weight"] = _float_tensor(spec.shape)
         else:
-            for suffix, tensor in formats.get(fmt).tensor_specs(spec.shape).items():
+            for suffix, tensor in stored_tensor_specs(fmt, spec.shape, encoding).items():
                 expected[f"{spec.name}.{suffix}"] = tensor
         if spec.bias:
             expected[f"{spec.name}.bias"] = _float_tensor((spec.shape[0],))
     return expected
+
+
+def stored_tensor_specs(
+    fmt: str, shape: tuple[int, ...], encoding: str = "compressed-tensors"
+) -> dict[str, TensorSpec]:
+    """``{suffix: TensorSpec}`` a module quantized to ``fmt`` stores in ``encoding``."""
+    if encoding == modelopt.ENCODING:
+        return modelopt.tensor_specs(fmt, shape)
+    return formats.get(fmt).tensor_specs(shape)
 
 
 def _float_tensor(shape: tuple[int, ...]) -> TensorSpec:
@@ -325,12 +362,13 @@ class Checkpoint:
     config: K3DSparkConfig | DrafterFields
     config_json: dict[str, Any]
     stored: dict[str, StoredTensor]
+    quantization_config: dict[str, Any] | None = None  # :func:`read_quantization_config`'s
 
     def plan(self) -> QuantPlan:
-        """:func:`resolve` over its ``quantization_config`` and stored dtypes (raises QuantPlanError)."""
+        """:func:`resolve` over its quantization config and stored dtypes (raises QuantPlanError)."""
         return resolve(
             self.config,
-            self.config_json.get("quantization_config"),
+            self.quantization_config,
             {key: t.dtype for key, t in self.stored.items()},
         )
 
@@ -341,7 +379,9 @@ def read_checkpoint(model_dir: str | Path, *, fields_only: bool = False) -> Chec
     model_dir = Path(model_dir)
     raw = read_config_json(model_dir)
     config = _parse_config(raw, model_dir / CONFIG_NAME, fields_only=fields_only)
-    return Checkpoint(config, raw, stored_tensors(model_dir))
+    return Checkpoint(
+        config, raw, stored_tensors(model_dir), read_quantization_config(model_dir, raw)
+    )
 
 
 def resolve_checkpoint(model_dir: str | Path) -> QuantPlan:
@@ -374,7 +414,7 @@ def load_drafter_state_dict(
         _LOG.warning("%s: %s", model_dir, warning)
     stored = {k: t for k, t in stored.items() if not is_stray(k, config)}
     quantized = plan.modules
-    expected = {k: t.shape for k, t in expected_tensors(config, quantized).items()}
+    expected = {k: t.shape for k, t in expected_tensors(config, quantized, plan.encoding).items()}
     validate_tensor_shapes(
         {k: t.shape for k, t in stored.items()},
         expected,
@@ -394,7 +434,7 @@ def load_drafter_state_dict(
                 weight = read(f"{spec.name}.weight")
                 state_dict[f"{spec.name}.weight"] = weight if dtype is None else weight.to(dtype)
             else:
-                weight = _dequantize(spec.name, fmt, spec.shape, read)
+                weight = _dequantize(spec.name, fmt, spec.shape, read, plan.encoding)
                 state_dict[f"{spec.name}.weight"] = weight.to(dtype or torch.float32)
             if spec.bias:
                 bias = read(f"{spec.name}.bias")
@@ -403,27 +443,42 @@ def load_drafter_state_dict(
 
 
 def input_quantizers(model_dir: str | Path) -> dict[str, tuple[ActScheme, torch.Tensor | None]]:
-    """``{module: (activation scheme, stored input scale or None)}`` of a build's W8A8 / W4A4 modules."""
+    """``{module: (activation scheme, stored input scale or None)}`` of a build's W8A8 / W4A4 modules
+    (absorbed ones excepted: vLLM never quantizes their input)."""
     checkpoint = read_checkpoint(model_dir)
+    plan = checkpoint.plan()
     out = {}
     with TensorReader() as reader:
-        for module, fmt in checkpoint.plan().modules.items():
+        for module, fmt in plan.modules.items():
 
             def read(suffix: str, module: str = module) -> torch.Tensor:
                 key = f"{module}.{suffix}"
                 return reader.read(checkpoint.stored[key].path, key)
 
-            found = formats.get(fmt).input_quantizer(read)
-            if found is not None:
-                out[module] = found
+            scheme = formats.get(fmt).activation
+            if scheme is None or module_kind(module) in ABSORBED_KINDS:
+                continue
+            if plan.encoding == modelopt.ENCODING:
+                stored = {
+                    s: read(s) for s in ("input_scale",) if f"{module}.{s}" in checkpoint.stored
+                }
+                out[module] = (scheme, modelopt.input_scale(fmt, stored))
+            else:
+                out[module] = formats.get(fmt).input_quantizer(read)
     return out
 
 
 def _dequantize(
-    module: str, fmt: str, shape: tuple[int, ...], read: Callable[[str], torch.Tensor]
+    module: str,
+    fmt: str,
+    shape: tuple[int, ...],
+    read: Callable[[str], torch.Tensor],
+    encoding: str = "compressed-tensors",
 ) -> torch.Tensor:
-    """``module``'s weight, dequantized from the ``fmt`` tensors that ``read(key)`` returns."""
-    parts = {suffix: read(f"{module}.{suffix}") for suffix in formats.get(fmt).tensor_specs(shape)}
+    """``module``'s weight, dequantized from the ``fmt`` tensors (in ``encoding``) that ``read(key)`` returns."""
+    parts = {
+        suffix: read(f"{module}.{suffix}") for suffix in stored_tensor_specs(fmt, shape, encoding)
+    }
     for suffix, tensor in parts.items():
         bad = invalid_scale_count(tensor) if suffix.endswith("scale") else 0
         if bad:
@@ -435,7 +490,10 @@ def _dequantize(
                 )
             )
     try:
-        weight = formats.get(fmt).dequantize(parts, tuple(shape))
+        if encoding == modelopt.ENCODING:
+            weight = modelopt.dequantize(parts, fmt, tuple(shape))
+        else:
+            weight = formats.get(fmt).dequantize(parts, tuple(shape))
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"{module}: cannot dequantize its {fmt} weight: {e}") from None
     if tuple(weight.shape) != tuple(shape):

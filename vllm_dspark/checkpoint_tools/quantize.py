@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from vllm_dspark.checkpoint import formats, quant_config
+from vllm_dspark.checkpoint import formats, modelopt, quant_config
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
     REPORT_NAME,
@@ -45,6 +45,7 @@ from vllm_dspark.checkpoint.store import (
     human_bytes,
     human_params,
     read_checkpoint,
+    stored_tensor_specs,
     validate_tensor_shapes,
 )
 from vllm_dspark.finite import require_finite
@@ -59,6 +60,7 @@ from vllm_dspark.safety import (
 if TYPE_CHECKING:
     from vllm_dspark.fields import DrafterFields
 
+EXPORTS = ("compressed-tensors", modelopt.ENCODING)  # the layouts --export writes
 # Input bytes per chunk: small enough that the quantizer's passes over it run in cache.
 _CHUNK_BYTES = 1 << 19
 _thread = threading.local()
@@ -90,14 +92,18 @@ class _Item:
     stored: StoredTensor
     module: ModuleSpec | None = None
     fmt: str | None = None
+    encoding: str = "compressed-tensors"
 
     def outputs(self) -> list[Entry]:
         if self.fmt is None:
             return [self.stored.entry(self.key)]
         return [
             Entry.planned(f"{self.module.name}.{suffix}", spec.dtype, spec.shape)
-            for suffix, spec in formats.get(self.fmt).tensor_specs(self.module.shape).items()
+            for suffix, spec in self.part_specs().items()
         ]
+
+    def part_specs(self) -> dict[str, formats.TensorSpec]:
+        return stored_tensor_specs(self.fmt, self.module.shape, self.encoding)
 
 
 @dataclass(frozen=True)
@@ -108,16 +114,19 @@ class _Plan:
     shards: dict[
         str, list[_Item]
     ]  # output shard name -> its tensors, as the input shards hold them
+    encoding: str = "compressed-tensors"  # or "modelopt": whose layout the output takes
 
     def config_json(self, fmt: str) -> dict[str, Any]:
         """The output's config.json: the input's with its ``quantization_config``."""
-        return dict(
-            self.source_config_json,
-            quantization_config=quant_config.quantization_config(fmt, self.kinds, self.config),
-        )
+        if self.encoding == modelopt.ENCODING:
+            kept = [s.name for s in checkpoint_modules(self.config) if s.kind not in self.kinds]
+            qc = modelopt.quantization_config(fmt, modelopt.exclude_entries(kept))
+        else:
+            qc = quant_config.quantization_config(fmt, self.kinds, self.config)
+        return dict(self.source_config_json, quantization_config=qc)
 
 
-def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
+def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str], encoding: str) -> _Plan:
     """Validate the request against the checkpoint, before anything is written."""
     checkpoint = read_checkpoint(model_dir, fields_only=True)
     config, stored = checkpoint.config, checkpoint.stored
@@ -125,7 +134,7 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
         quantized = checkpoint.plan().modules
     except QuantPlanError as e:
         raise Refusal(f"{model_dir} is not a BF16 checkpoint: {e}") from None
-    if quantized or checkpoint.config_json.get("quantization_config") is not None:
+    if quantized or checkpoint.quantization_config is not None:
         found = ", ".join(sorted(set(quantized.values()))) or "no-op"
         raise Refusal(
             f"{model_dir} is already quantized ({len(quantized)} modules stored as {found}, per its "
@@ -133,6 +142,11 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
             "compounds the error."
         )
     kinds = quant_config.validate_include_kinds(include_layers, fmt, config)
+    if encoding == modelopt.ENCODING and formats.get(fmt).modelopt_algo is None:
+        raise Refusal(
+            f"--export modelopt writes {', '.join(modelopt.algos().values())} (ModelOpt's "
+            f"{', '.join(modelopt.algos())}), not {fmt}"
+        )
     validate_tensor_shapes(
         {k: t.shape for k, t in stored.items()},
         tensor_shapes(config),
@@ -143,14 +157,16 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str]) -> _Plan:
     for spec in checkpoint_modules(config):
         key = f"{spec.name}.weight"
         items.append(
-            _Item(key, stored[key], spec, fmt) if spec.kind in kinds else _Item(key, stored[key])
+            _Item(key, stored[key], spec, fmt, encoding)
+            if spec.kind in kinds
+            else _Item(key, stored[key])
         )
         if spec.bias:
             items.append(_Item(f"{spec.name}.bias", stored[f"{spec.name}.bias"]))
     shards: dict[str, list[_Item]] = {}
     for item in items:
         shards.setdefault(item.stored.path.name, []).append(item)
-    return _Plan(checkpoint.config_json, config, kinds, dict(sorted(shards.items())))
+    return _Plan(checkpoint.config_json, config, kinds, dict(sorted(shards.items())), encoding)
 
 
 def _read(source: StoredTensor, key: str) -> torch.Tensor:
@@ -166,7 +182,8 @@ def _read(source: StoredTensor, key: str) -> torch.Tensor:
 
 def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
     """Each module's global scale, for formats that share one when fused: shared by a fused group (gate/up per layer,
-    q_a/kv_a across layers), else the module's own. Computed up front, as chunks cannot see the rest."""
+    q_a/kv_a across layers), else the module's own. Computed up front, as chunks cannot see the rest.
+    ModelOpt's layout shares the group's amax instead, as its fused-layer export does."""
     quantized = {
         item.module.name: item
         for item in items
@@ -177,9 +194,14 @@ def _global_scales(items: list[_Item], device: str) -> dict[str, torch.Tensor]:
     groups += [[m] for m in quantized if m not in grouped]
     scales = {}
     for members in groups:
-        fmt = formats.get(quantized[members[0]].fmt)
+        first = quantized[members[0]]
+        share = (
+            modelopt.group_amax
+            if first.encoding == modelopt.ENCODING
+            else formats.get(first.fmt).shared_global_scale
+        )
         tensors = (_read(quantized[m].stored, quantized[m].key).to(device) for m in members)
-        scales.update(dict.fromkeys(members, fmt.shared_global_scale(tensors)))
+        scales.update(dict.fromkeys(members, share(tensors)))
     return scales
 
 
@@ -215,22 +237,37 @@ def _chunk(
             _read(item.stored, item.key)  # raises, naming the tensor and counting its bad values
         pwrite_all(fd, x, offsets[item.key] + rows.start * (x.nbytes // len(x)))
         return 0.0, 0.0
-    fmt = formats.get(item.fmt)
     spec = item.module
-    parts, signal, noise = fmt.quantize_with_error(
-        x.to(device), global_scale=global_scales.get(spec.name)
-    )
+    if item.encoding == modelopt.ENCODING:
+        parts, signal, noise = _modelopt_with_error(
+            x.to(device), item.fmt, global_scales.get(spec.name)
+        )
+    else:
+        parts, signal, noise = formats.get(item.fmt).quantize_with_error(
+            x.to(device), global_scale=global_scales.get(spec.name)
+        )
     if not math.isfinite(signal):  # a NaN or Inf weight, or a sum of squares that overflowed
         _read(item.stored, item.key)
-    for suffix, part_spec in fmt.tensor_specs(spec.shape).items():
+    for suffix, part_spec in item.part_specs().items():
         key = f"{spec.name}.{suffix}"
-        if len(part_spec.shape) == 2:  # a row per weight row, or per block of them
+        # A row per weight row or per block of them (2-D), or one per row (ModelOpt's [N] scales).
+        if len(part_spec.shape) == 2 or part_spec.shape == spec.shape[:1]:
             per = spec.shape[0] // part_spec.shape[0]
             row_bytes = math.prod(part_spec.shape[1:]) * part_spec.dtype.itemsize
             pwrite_all(fd, parts[suffix], offsets[key] + rows.start // per * row_bytes)
         elif rows.start == 0:  # a whole-tensor part (the global scale): every chunk has it
             pwrite_all(fd, parts[suffix], offsets[key])
     return signal, noise
+
+
+def _modelopt_with_error(
+    x: torch.Tensor, fmt: str, amax: torch.Tensor | None
+) -> tuple[dict[str, torch.Tensor], float, float]:
+    """ModelOpt's tensors for row chunk ``x`` (under the module's or group's ``amax``), with its error sums."""
+    parts = modelopt.quantize(x, fmt, amax=amax)
+    ref = x.float().flatten()
+    diff = ref - modelopt.dequantize(parts, fmt, tuple(x.shape)).flatten()
+    return parts, float(torch.dot(ref, ref)), float(torch.dot(diff, diff))
 
 
 def _copy_other_files(model_dir: Path, staging: Path) -> None:
@@ -385,7 +422,11 @@ def _write_quantized(
     total = sum(e.nbytes for item in items for e in item.outputs())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    (staging / CONFIG_NAME).write_text(json.dumps(plan.config_json(fmt), indent=2) + "\n")
+    config_json = plan.config_json(fmt)
+    (staging / CONFIG_NAME).write_text(json.dumps(config_json, indent=2) + "\n")
+    if plan.encoding == modelopt.ENCODING:
+        hf_quant = modelopt.hf_quant_config(config_json["quantization_config"])
+        (staging / modelopt.HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=2) + "\n")
     stored = {item.key: item.stored for item in items}
     return _summarise(fmt, plan.kinds, modules, stored, total, time.perf_counter() - start)
 
@@ -414,8 +455,12 @@ def quantize_checkpoint(
     workers: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    export: str = "compressed-tensors",
 ) -> dict[str, Any]:
     """Quantize the drafter in ``model_dir`` into ``output_dir``; returns the report dict.
+
+    ``export`` is the layout written: compressed-tensors', or ModelOpt's ("modelopt": its tensor names,
+    scales and config, for fp8-static, fp8-dynamic, nvfp4-w4a4 and nvfp4).
 
     Raises :class:`Refusal` (a ``ValueError``) for anything it will not do, before writing. The
     output is assembled in a staging directory next to ``output_dir`` and moved into place only
@@ -429,7 +474,9 @@ def quantize_checkpoint(
         raise Refusal("--device cuda, but torch sees no CUDA device; use --device cpu")
     check_output(output_dir, [model_dir], flag="--out")
     refuse_nonempty(output_dir, overwrite=overwrite, flag="--out")
-    plan = _plan(model_dir, fmt, include_layers)
+    if export not in EXPORTS:
+        raise Refusal(f"--export must be one of {', '.join(EXPORTS)}, not {export!r}")
+    plan = _plan(model_dir, fmt, include_layers, export)
     threads = torch.get_num_threads()
     try:
         # Workers split the cores between them instead of each fanning out over all of them.

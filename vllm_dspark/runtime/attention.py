@@ -29,6 +29,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.platforms import current_platform
 from vllm.triton_utils import HAS_TRITON
 
+from vllm_dspark.compat import absorbed_weight, keep_weight_on_cpu
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.ops.rope import rotate_pe, softmax_scale
 
@@ -74,8 +75,8 @@ class TorchLatentAttention(nn.Module):
 
     The stand-in for ``MultiHeadLatentAttention`` where that layer cannot run (see the module
     docstring). Keys and values are up-projected from the cached latents with ``kv_b_proj`` (the
-    "naive" MLA form) instead of absorbing ``kv_b_proj`` into the query: absorption reads the
-    projection's weight back after loading, which vLLM's CPU linears repack and drop.
+    "naive" MLA form) instead of absorbing it into the query, but with the weight absorption uses:
+    dequantized, its input never quantized, as on a GPU.
     """
 
     def __init__(
@@ -138,6 +139,9 @@ class TorchLatentAttention(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.kv_b_proj",
         )
+        # Up-projected with its weight as vLLM's MLA absorbs it (read at first use, after loading).
+        keep_weight_on_cpu(self.kv_b_proj)
+        self._kv_b_weight: torch.Tensor | None = None
         self.o_proj = RowParallelLinear(
             c.num_attention_heads * c.v_head_dim,
             c.hidden_size,
@@ -218,8 +222,10 @@ class TorchLatentAttention(nn.Module):
                 .to(q_nope.dtype)
                 .split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
             )
+            if self._kv_b_weight is None:
+                self._kv_b_weight = absorbed_weight(self.kv_b_proj, q_nope.dtype)
             k_nope, v = (
-                self.kv_b_proj(kv_c)[0]
+                torch.nn.functional.linear(kv_c, self._kv_b_weight)
                 .view(-1, self.num_local_heads, self.qk_nope_head_dim + self.v_head_dim)
                 .split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
             )

@@ -108,13 +108,20 @@ def _draft_quant_config(
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig,
     )
+    from vllm.model_executor.layers.quantization.modelopt import (
+        ModelOptFp8Config,
+        ModelOptNvFp4Config,
+        ModelOptQuantConfigBase,
+    )
 
     quant_config = get_draft_quant_config(vllm_config)
-    if quant_config is not None and not isinstance(quant_config, CompressedTensorsConfig):
+    if quant_config is not None and not isinstance(
+        quant_config, (CompressedTensorsConfig, ModelOptQuantConfigBase)
+    ):
         raise FindingError(
             Finding(
-                "the K3 DSpark drafter serves BF16 or compressed-tensors checkpoints, but its "
-                f"quantization is {quant_config.get_name()!r}",
+                "the K3 DSpark drafter serves BF16, compressed-tensors or ModelOpt checkpoints, but "
+                f"its quantization is {quant_config.get_name()!r}",
                 "serve the BF16 checkpoint without a quantization override, or quantize it with "
                 "`vllm-dspark quantize --quant-format fp8`",
             )
@@ -148,13 +155,18 @@ def _draft_quant_config(
         from vllm_dspark.runtime.cpu_fp8 import install
 
         install()
-    quant_config = CompressedTensorsConfig.from_config(normalized)
+    vllm_class = {
+        "compressed-tensors": CompressedTensorsConfig,
+        "modelopt": ModelOptFp8Config,
+        "modelopt_fp4": ModelOptNvFp4Config,
+    }[normalized["quant_method"]]
+    quant_config = vllm_class.from_config(normalized)
     quant_config.packed_modules_mapping = dict(PACKED_MODULES_MAPPING)
     return quant_config, plan
 
 
 def linear_kernel(scheme: object) -> object:
-    """The kernel a quantized linear's scheme runs (vLLM names it per scheme), or the scheme itself."""
+    """The kernel a quantized linear's scheme (or ModelOpt linear method) runs, or the scheme itself."""
     for attr in ("linear_kernel", "fp8_linear", "kernel"):
         if getattr(scheme, attr, None) is not None:
             return getattr(scheme, attr)
@@ -165,7 +177,11 @@ def _log_linear_kernels(model: nn.Module) -> None:
     """One INFO line naming the kernel vLLM picked for each quantized linear (it chooses per platform)."""
     by_kernel: dict[str, list[str]] = defaultdict(list)
     for name, module in model.named_modules():
-        scheme = getattr(module, "scheme", None)
+        # compressed-tensors keeps a scheme per layer; ModelOpt's linear method holds the kernel.
+        method = getattr(module, "quant_method", None)
+        scheme = getattr(module, "scheme", None) or (
+            method if type(method).__name__.startswith("ModelOpt") else None
+        )
         if isinstance(module, LinearBase) and scheme is not None:
             by_kernel[f"{type(scheme).__name__} via {type(linear_kernel(scheme)).__name__}"].append(
                 name

@@ -7,7 +7,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from vllm_dspark.checkpoint.layout import FP8_RECIPE, QUANT_FORMATS, QUANTIZABLE_KINDS, REPORT_NAME
+from vllm_dspark.checkpoint.layout import (
+    FP8_RECIPE,
+    MODULE_SETS,
+    QUANT_FORMATS,
+    QUANTIZABLE_KINDS,
+    REPORT_NAME,
+)
 from vllm_dspark.tools.cli import ArgumentParser, add_out, add_shared
 
 
@@ -47,7 +53,16 @@ def build_parser() -> ArgumentParser:
         default=list(FP8_RECIPE),
         metavar="KIND",
         help=f"module kinds to quantize, index-agnostic (default, the published FP8 build: "
-        f"{' '.join(FP8_RECIPE)}); quantizable: {' '.join(QUANTIZABLE_KINDS)}",
+        f"{' '.join(FP8_RECIPE)}); quantizable: {' '.join(QUANTIZABLE_KINDS)}; or a named set: "
+        f"{' '.join(MODULE_SETS)} (ModelOpt's: every linear but the heads)",
+    )
+    parser.add_argument(
+        "--export",
+        default="compressed-tensors",
+        choices=("compressed-tensors", "modelopt"),
+        help="the layout written (default compressed-tensors); modelopt writes NVIDIA ModelOpt's "
+        "tensors, config and hf_quant_config.json, for fp8-static (FP8), fp8-dynamic "
+        "(FP8_PER_CHANNEL_PER_TOKEN), nvfp4-w4a4 (NVFP4) and nvfp4 (W4A16_NVFP4)",
     )
     parser.add_argument(
         "--device", default="cpu", choices=("cpu", "cuda"), help="where to quantize (default cpu)"
@@ -76,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         workers=args.workers,
         overwrite=args.overwrite,
         progress=not args.no_progress,
+        export=args.export,
     )
     o = report["overall"]
     print(
