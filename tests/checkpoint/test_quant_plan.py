@@ -430,3 +430,138 @@ def test_eval_reads_builds_through_the_resolver(encodings, builds, tiny_checkpoi
         reference,
     )
     assert "(quantized: fp8), in BF16" in source
+
+
+# ----- ModelOpt -----
+
+_ATTN_A = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")
+
+
+@pytest.fixture(scope="module")
+def modelopt_builds(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path):
+    """ModelOpt-layout builds of ``tiny``: every linear, or all but q_a/kv_a, or all but context_proj."""
+    from vllm_dspark.checkpoint.layout import MODULE_SETS
+
+    root = tmp_path_factory.mktemp("modelopt")
+    made: dict[tuple[str, tuple[str, ...]], Path] = {}
+
+    def get(fmt: str, leave_out: tuple[str, ...] = ()) -> Path:
+        if (fmt, leave_out) not in made:
+            kinds = [k for k in MODULE_SETS["modelopt"] if k not in leave_out]
+            out = root / f"{fmt}-{len(made)}"
+            quantize_checkpoint(tiny_checkpoint, out, fmt, kinds, progress=False, export="modelopt")
+            made[fmt, leave_out] = out
+        return made[fmt, leave_out]
+
+    return get
+
+
+def _modelopt_rewritten(source: Path, dest: Path, edit) -> Path:
+    """A copy of ModelOpt build ``source`` whose config.json's quantization_config ``edit`` rewrites."""
+    shutil.copytree(source, dest)
+    raw = json.loads((dest / "config.json").read_text())
+    edit(raw["quantization_config"])
+    (dest / "config.json").write_text(json.dumps(raw))
+    return dest
+
+
+@pytest.mark.parametrize("fmt", ["fp8-static", "fp8-dynamic", "nvfp4-w4a4", "nvfp4"])
+@pytest.mark.parametrize(
+    "leave_out", [(), _ATTN_A, ("context_proj",)], ids=["full", "qa-kva", "ctx"]
+)
+def test_modelopt_builds_check_doctor_and_resolver_agree(
+    modelopt_builds, fmt: str, leave_out: tuple[str, ...]
+) -> None:
+    model_dir = modelopt_builds(fmt, leave_out)
+    plan = resolve_checkpoint(model_dir)
+    config = load_config(model_dir)
+    expected = {
+        s.name for s in checkpoint_modules(config) if s.quantizable and s.kind not in leave_out
+    }
+    assert plan.encoding == "modelopt" and plan.modules == dict.fromkeys(expected, fmt)
+    report = check_checkpoint(model_dir)
+    assert report.ok, report.problems
+    assert report.quantized_modules == plan.modules and "ModelOpt" in report.render()
+    assert not [f for f in _doctor(model_dir) if f.severity == "error"]
+    # The reference dequantizes every module (nothing left quantized, nothing missing).
+    _, state = load_drafter_state_dict(model_dir, dtype=None)
+    assert all(state[f"{m}.weight"].dtype == torch.float32 for m in expected)
+
+
+def test_modelopt_config_only_in_hf_quant_config_json_reads_the_same(
+    modelopt_builds, tmp_path: Path
+) -> None:
+    source = modelopt_builds("fp8-dynamic", _ATTN_A)
+    model_dir = tmp_path / "hf_quant_config_only"
+    shutil.copytree(source, model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    del raw["quantization_config"]
+    (model_dir / "config.json").write_text(json.dumps(raw))
+    assert resolve_checkpoint(model_dir) == resolve_checkpoint(source)
+    assert check_checkpoint(model_dir).ok
+    (model_dir / "hf_quant_config.json").unlink()
+    with pytest.raises(quant_plan.QuantPlanError, match="config.json has no quantization_config"):
+        resolve_checkpoint(model_dir)
+
+
+def _drop_excludes(words: tuple[str, ...]):
+    def edit(qc: dict) -> None:
+        for key in ("ignore", "exclude_modules"):
+            qc[key] = [e for e in qc[key] if not any(w in e for w in words)]
+
+    return edit
+
+
+def _exclude(entry: str):
+    def edit(qc: dict) -> None:
+        for key in ("ignore", "exclude_modules"):
+            qc[key].append(entry)
+
+    return edit
+
+
+def _algo(algo: str):
+    def edit(qc: dict) -> None:
+        qc["quant_algo"] = algo
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (_drop_excludes(("q_a_proj", "kv_a_proj")), "is stored BF16, but quantization_config"),
+        (_exclude("*mlp.down_proj"), "but quantization_config leaves it unquantized"),
+        (_drop_excludes(("markov_head",)), "so it is stored BF16 and must stay so"),
+        (_algo("NVFP4"), "but quantization_config says nvfp4-w4a4"),
+    ],
+    ids=["qa-kva-not-excluded", "down-excluded", "heads-not-excluded", "algo"],
+)
+def test_conflicting_modelopt_builds_are_refused_by_check_doctor_and_vllm_alike(
+    modelopt_builds, tmp_path: Path, tiny_mla_target: Path, edit, said: str
+) -> None:
+    model_dir = _modelopt_rewritten(modelopt_builds("fp8-dynamic", _ATTN_A), tmp_path / "b", edit)
+    with pytest.raises(quant_plan.QuantPlanError) as refused:
+        resolve_checkpoint(model_dir)
+    message, refusal = str(refused.value), refused.value.finding
+    assert "\n" not in message and said in message and "Fix: " in message
+    assert check_checkpoint(model_dir).problems[0] == refusal
+    doctor = [(f.problem, f.fix) for f in _doctor(model_dir) if f.severity == "error"]
+    assert doctor[0] == (refusal.problem, refusal.fix)
+    with pytest.raises(ValueError, match="K3 DSpark drafter") as e:
+        load_drafter(tiny_mla_target, model_dir, dtype="bfloat16")
+    assert message in str(e.value)
+
+
+def test_modelopt_normalized_config_excludes_the_runtime_names(modelopt_builds) -> None:
+    model_dir = modelopt_builds("fp8-dynamic", _ATTN_A)
+    config, plan = load_config(model_dir), resolve_checkpoint(model_dir)
+    normalized = quant_plan.vllm_quantization_config(plan, config, start_layer_id=93)
+    assert normalized["quant_method"] == "modelopt"
+    assert normalized["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN"
+    bf16 = [
+        s for s in checkpoint_modules(config) if s.role == "linear" and s.name not in plan.modules
+    ]
+    assert normalized["ignore"] == [runtime_name(s, 93) for s in bf16]
+    assert "model.layers.94.self_attn.q_a_proj" in normalized["ignore"]
+    assert not any(".layers.0." in e or e.startswith("*") for e in normalized["ignore"])

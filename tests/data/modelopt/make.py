@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Regenerate this folder with NVIDIA ModelOpt itself (not run in CI: ModelOpt's dependencies are heavy).
+
+    pip install --target SITE nvidia-modelopt==0.47.0 --no-deps
+    pip install --target SITE omegaconf antlr4-python3-runtime==4.9.3 pulp scipy nvidia-ml-py
+    PYTHONPATH=SITE python tests/data/modelopt/make.py QUANTIZE_DRAFTER_PY
+
+QUANTIZE_DRAFTER_PY is examples/speculative_decoding/scripts/quantize_drafter.py from
+NVIDIA/Model-Optimizer PR #2027. It runs on CPU. source.safetensors holds a few bf16 weights shaped like
+a drafter's; each <qformat>.safetensors is ModelOpt's export of them, read by tests/checkpoint/test_modelopt.py.
+"""
+
+import importlib.util
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+HERE = Path(__file__).parent
+
+
+def main(script: str) -> None:
+    spec = importlib.util.spec_from_file_location("quantize_drafter", script)
+    qd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qd)
+    # The 0.47.0 wheel lacks the fp8_pc_pt alias the PR's base has.
+    qd.QUANT_CFG_CHOICES.setdefault("fp8_pc_pt", qd.QUANT_CFG_CHOICES["fp8_per_channel_per_token"])
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape: int, scale: float = 0.05) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    source = {
+        "layers.0.mlp.gate_proj.weight": w(64, 64, scale=0.2),
+        "layers.0.mlp.up_proj.weight": w(64, 64),
+        "layers.0.mlp.down_proj.weight": w(64, 64),
+        "layers.0.self_attn.q_b_proj.weight": w(32, 32),
+        "layers.0.input_layernorm.weight": torch.ones(64, dtype=torch.bfloat16),
+        "markov_head.markov_w2.weight": w(32, 16),
+    }
+    source["layers.0.mlp.down_proj.weight"][3] = 0  # an all-zero row
+    save_file(source, HERE / "source.safetensors")
+    for qformat in ("fp8", "fp8_pc_pt", "nvfp4", "w4a16_nvfp4"):
+        src, out = Path(tempfile.mkdtemp()), Path(tempfile.mkdtemp()) / "out"
+        shutil.copy(HERE / "source.safetensors", src / "model.safetensors")
+        (src / "config.json").write_text(json.dumps({"architectures": ["DSparkDraftModel"]}))
+        sys.argv = ["quantize_drafter", "--drafter_path", str(src), "--qformat", qformat]
+        sys.argv += ["--export_path", str(out)]
+        qd.main()
+        exported = load_file(out / "model.safetensors")
+        save_file(
+            {
+                k: v
+                for k, v in exported.items()
+                if k.rsplit(".", 1)[0] + ".weight" in source or "scale" in k
+            },
+            HERE / f"{qformat}.safetensors",
+        )
+        config = json.loads((out / "config.json").read_text())["quantization_config"]
+        (HERE / f"{qformat}.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
