@@ -3,7 +3,7 @@
 
 ``tests/support/dspark_e2e.py`` serves the trained pair (``tests/data/pair``, made by ``vllm-dspark
 train-pair``: a 7-layer DeepSeek-V3 MLA target with Kimi-K3's 576-wide latent and its 2-layer
-drafter), BF16, FP8 and W8A8 FP8 (fp8-dynamic), through ``vllm.LLM(speculative_config={"method": "dspark"})``, in its own
+drafter), BF16, FP8, W8A8 FP8 (fp8-dynamic) and the same in ModelOpt's layout, through ``vllm.LLM(speculative_config={"method": "dspark"})``, in its own
 process, and records outputs, vLLM's spec-decode counters and, captured inside the engine, every
 drafting step's inputs and drafted block. The platforms:
 
@@ -205,7 +205,7 @@ def _check_blocks(blocks: list[Block]) -> int:
 def test_greedy_output_is_unchanged_by_dspark_speculation(served) -> None:
     results = served["results"]
     baseline = Baseline.of(results)
-    for name in ("bf16", "fp8", "fp8-dynamic"):
+    for name in ("bf16", "fp8", "fp8-dynamic", "modelopt"):
         baseline.assert_matches(results[name]["outputs"])
 
 
@@ -282,6 +282,7 @@ def test_draft_layers_are_mla_layers_in_the_targets_kv_cache_group(served) -> No
     [
         ("fp8", "CompressedTensorsW8A16Fp8", "CPUDequantFP8W8A16LinearKernel"),
         ("fp8-dynamic", "CompressedTensorsW8A8Fp8", "CPUDequantFP8W8A8LinearKernel"),
+        ("modelopt", "ModelOptLinearMethod", "CPUDequantFP8W8A8LinearKernel"),
     ],
 )
 def test_fp8_drafters_run_their_scheme_on_exactly_the_six_kinds(
@@ -300,7 +301,7 @@ def test_fp8_drafters_run_their_scheme_on_exactly_the_six_kinds(
     assert (kernels == [cpu_kernel]) == (served["results"]["platform"] == "cpu"), kernels
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp8", "fp8-dynamic"])
+@pytest.mark.parametrize("name", ["bf16", "fp8", "fp8-dynamic", "modelopt"])
 def test_drafted_blocks_match_the_reference_drafter(served, name: str) -> None:
     """The W8A8 build's reference quantizes the same inputs the same way (ops.act_quant)."""
     drafter = served["models"]["drafter" if name == "bf16" else f"drafter-{name}"]

@@ -33,9 +33,14 @@ from vllm_dspark.cpu_serving.pair import (
 )
 
 PAIR = Path(__file__).resolve().parents[1] / "data" / "pair"
-# The drafter's builds served beside it: the published FP8 one, and a W8A8 one (fp8-dynamic).
-QUANTIZED = ("fp8", "fp8-dynamic")
-MODELS = ("target", "drafter", *(f"drafter-{fmt}" for fmt in QUANTIZED))
+# The drafter's builds served beside it, by run: (format, layout). The published FP8 one, a W8A8 one
+# (fp8-dynamic), and the same W8A8 numerics in ModelOpt's layout.
+QUANTIZED = {
+    "fp8": ("fp8", "compressed-tensors"),
+    "fp8-dynamic": ("fp8-dynamic", "compressed-tensors"),
+    "modelopt": ("fp8-dynamic", "modelopt"),
+}
+MODELS = ("target", "drafter", *(f"drafter-{run}" for run in QUANTIZED))
 # Held-out prompts of the trained pair (vllm-dspark train-pair), cut short: the CPU run is slow.
 PROMPTS = heldout_prompts(PAIR, 3, 24)
 # Per platform: prompts and tokens per request. The CPU run interprets vLLM's Triton kernels
@@ -54,8 +59,10 @@ def build_models(root: Path) -> dict[str, Path]:
 
     for name in ("target", "drafter"):
         (root / name).symlink_to(PAIR / name, target_is_directory=True)
-    for fmt in QUANTIZED:
-        quantize_checkpoint(root / "drafter", root / f"drafter-{fmt}", fmt, progress=False)
+    for run, (fmt, export) in QUANTIZED.items():
+        quantize_checkpoint(
+            root / "drafter", root / f"drafter-{run}", fmt, progress=False, export=export
+        )
     return {name: root / name for name in MODELS}
 
 
@@ -141,11 +148,10 @@ def _describe(worker) -> dict:
     for name, module in drafter.named_modules():
         # Linears only: the shared embed_tokens and lm_head and markov_w2 are embeddings.
         if isinstance(module, LinearBase):
-            scheme = getattr(module, "scheme", None)
-            quant[name] = (
-                type(scheme).__name__ if scheme is not None else type(module.quant_method).__name__
-            )
-            if scheme is not None:
+            # compressed-tensors keeps a scheme per layer; ModelOpt's linear method holds the kernel.
+            scheme = getattr(module, "scheme", None) or module.quant_method
+            quant[name] = type(scheme).__name__
+            if not quant[name].startswith("Unquantized"):
                 kernels.add(type(linear_kernel(scheme)).__name__)
     shared = next((g for g in groups if set(draft_layers) <= set(g)), [])
     target_layers = [name for name in shared if name not in draft_layers]
@@ -200,7 +206,7 @@ def run(platform: str, models: dict[str, Path], out: Path) -> None:
             models,
             prompts,
             size["max_tokens"],
-            runs=(*DEFAULT_RUNS, "fp8-dynamic"),
+            runs=(*DEFAULT_RUNS, "fp8-dynamic", "modelopt"),
             platform=platform,
             observe=observe,
         )

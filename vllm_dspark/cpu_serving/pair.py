@@ -28,6 +28,8 @@ RUNS: dict[str, tuple[str | None, dict[str, str]]] = {
     "fp8": ("drafter-fp8", {}),
     # A W8A8 build (fp8-dynamic): inputs quantized per token on the plugin's CPU kernel.
     "fp8-dynamic": ("drafter-fp8-dynamic", {}),
+    # The same numerics in NVIDIA ModelOpt's layout (FP8_PER_CHANNEL_PER_TOKEN, excludes by checkpoint name).
+    "modelopt": ("drafter-modelopt", {}),
     "probabilistic": (
         "drafter",
         {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"},
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "drafter": args.pair / "drafter",
         "drafter-fp8": args.fp8 or args.pair / "drafter-fp8",
         "drafter-fp8-dynamic": args.pair / "drafter-fp8-dynamic",
+        "drafter-modelopt": args.pair / "drafter-modelopt",
     }
     prompts = heldout_prompts(args.pair, args.prompts, args.prompt_tokens)
     results = serve_pair(
