@@ -110,6 +110,21 @@ W8A8_FP8_BLOCK_KERNELS = Touchpoint(
     "vllm.model_executor.kernels.linear:_POSSIBLE_FP8_BLOCK_KERNELS",
     "vLLM's CPU FP8 block kernels need AMX tiles; cpu_fp8 adds one that needs none",
 )
+SCALED_FP8_QUANT = Touchpoint(
+    "scaled_fp8_quant",
+    "vllm._custom_ops:scaled_fp8_quant",
+    "vLLM requantizes per-tensor FP8 weights at load with this CUDA-only op; on CPU the plugin "
+    "computes its static per-tensor case",
+    params=(
+        "input",
+        "scale",
+        "num_token_padding",
+        "scale_ub",
+        "use_per_token_if_dynamic",
+        "output",
+        "group_shape",
+    ),
+)
 ACCELERATOR_NOOP = Touchpoint(
     "accelerator_noop",
     "vllm.v1.worker.cpu_model_runner:_set_torch_accelerator_to_noop",
@@ -246,6 +261,7 @@ TOUCHPOINTS = (
     WFP8A16_KERNELS,
     W8A8_FP8_KERNELS,
     W8A8_FP8_BLOCK_KERNELS,
+    SCALED_FP8_QUANT,
     ACCELERATOR_NOOP,
     ACCELERATOR_NOOP_SHM,
     V1_RUNNER_CHECK,
@@ -357,6 +373,23 @@ def add_cpu_fp8_kernels(w8a16: type, w8a8: type, block: type) -> None:
         kernels = point.resolve().setdefault(PlatformEnum.CPU, [])
         if kernel not in kernels:
             kernels.insert(0 if first else len(kernels), kernel)
+
+
+def add_cpu_static_fp8_quant(quantize: Callable[[Any, Any], Any]) -> None:
+    """Let vLLM's ``scaled_fp8_quant`` take CPU tensors with one static scale: ``quantize(x, scale)``
+    gives the codes; any other call goes to vLLM's op as before. Idempotent."""
+    SCALED_FP8_QUANT.resolve()
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def scaled_fp8_quant(input, scale=None, *args: Any, **kwargs: Any):  # noqa: A002
+            simple = not args and not any(v is not None for v in kwargs.values())
+            if input.device.type == "cpu" and scale is not None and scale.numel() == 1 and simple:
+                return quantize(input, scale.reshape(())), scale
+            return original(input, scale, *args, **kwargs)
+
+        return scaled_fp8_quant
+
+    SCALED_FP8_QUANT.wrap_once(wrap)
 
 
 def set_torch_accelerator_to_noop() -> None:

@@ -59,6 +59,7 @@ def _quantized(source: Path, fmt: str, root: Path) -> Path:
     ("fmt", "kernel"),
     [
         ("fp8-dynamic", "CPUDequantFP8W8A8LinearKernel"),
+        ("fp8-static", "CPUDequantFP8W8A8LinearKernel"),
         ("fp8-block", "CPUDequantFP8BlockLinearKernel"),
     ],
 )
@@ -103,7 +104,7 @@ def test_w8a8_build_serves_on_the_recipe_and_matches_the_reference(
     assert_hooks_match_reference(served, reference, norm_rtol=W8A8_HOOK_BOUNDS)
 
 
-@pytest.mark.parametrize("fmt", ["fp8-static", "nvfp4-w4a4"])
+@pytest.mark.parametrize("fmt", ["nvfp4-w4a4"])
 def test_builds_vllm_cannot_run_on_cpu_are_refused_by_name(
     fmt: str, small_target: Path, small_checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -175,7 +176,17 @@ def _quantized_layers(served: Served) -> dict[str, object]:
     ],
     ids=["full", "without-q_a-kv_a", "without-context_proj"],
 )
-def test_modelopt_fp8_pc_pt_serves_exactly_its_quantized_modules(
+@pytest.mark.parametrize(
+    ("fmt", "algo", "keys"),
+    [
+        ("fp8-dynamic", "FP8_PER_CHANNEL_PER_TOKEN", ("kFp8StaticTokenSym", "kFp8DynamicTokenSym")),
+        ("fp8-static", "FP8", ("kFp8StaticTensorSym", "kFp8StaticTensorSym")),
+    ],
+)
+def test_modelopt_fp8_serves_exactly_its_quantized_modules(
+    fmt: str,
+    algo: str,
+    keys: tuple[str, str],
     leave_out: tuple[str, ...],
     bf16: tuple[str, ...],
     small_target: Path,
@@ -184,19 +195,14 @@ def test_modelopt_fp8_pc_pt_serves_exactly_its_quantized_modules(
 ) -> None:
     import json
 
-    from vllm.model_executor.layers.quantization.utils.quant_utils import (
-        kFp8DynamicTokenSym,
-        kFp8StaticTokenSym,
-    )
+    from vllm.model_executor.layers.quantization.utils import quant_utils
 
     from vllm_dspark.reference.drafter import ReferenceDrafter
 
-    build = _modelopt_build(small_checkpoint, "fp8-dynamic", tmp_path, leave_out)
-    twin = _modelopt_build(
-        small_checkpoint, "fp8-dynamic", tmp_path, leave_out, export="compressed-tensors"
-    )
+    build = _modelopt_build(small_checkpoint, fmt, tmp_path, leave_out)
+    twin = _modelopt_build(small_checkpoint, fmt, tmp_path, leave_out, export="compressed-tensors")
     qc = json.loads((build / "config.json").read_text())["quantization_config"]
-    assert qc["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN" and qc["quant_method"] == "modelopt"
+    assert qc["quant_algo"] == algo and qc["quant_method"] == "modelopt"
     # ModelOpt's spelling: checkpoint layer numbers, which vLLM's own matching never sees at runtime.
     assert all(f"*layers.0.{k}" in qc["exclude_modules"] for k in leave_out if k != "context_proj")
     served = load_drafter(small_target, build, dtype="bfloat16")
@@ -204,18 +210,21 @@ def test_modelopt_fp8_pc_pt_serves_exactly_its_quantized_modules(
     assert set(quantized) == set(_EVERY) - set(bf16)
     for method in quantized.values():
         assert type(method).__name__ == "ModelOptLinearMethod"
-        assert (method.spec.weight, method.spec.activation) == (
-            kFp8StaticTokenSym,
-            kFp8DynamicTokenSym,
+        assert (method.spec.weight, method.spec.activation) == tuple(
+            getattr(quant_utils, key) for key in keys
         )
         assert type(method.kernel).__name__ == "CPUDequantFP8W8A8LinearKernel"
     # The compressed-tensors twin runs the same dequantized weights and input quantization ...
     twin_served = load_drafter(small_target, twin, dtype="bfloat16")
     twin_layers = dict(twin_served.model.named_modules())
+    generator = torch.Generator().manual_seed(0)
     for name, module in served.model.named_modules():
         if hasattr(module, "dspark_input_quant"):
             other = twin_layers[name]
-            assert torch.equal(module.weight, other.weight), name
+            # The GEMM dispatch keeps the weight packed: compare what the two layers compute.
+            x = torch.randn(3, module.input_size_per_partition, generator=generator).bfloat16()
+            out = module.quant_method.apply(module, x)
+            assert torch.equal(out, other.quant_method.apply(other, x)), name
             assert module.dspark_input_quant[0] == other.dspark_input_quant[0], name
     # ... and in FP32 it is the reference drafter under the same activation quantization.
     assert_hooks_match_reference(
@@ -225,7 +234,7 @@ def test_modelopt_fp8_pc_pt_serves_exactly_its_quantized_modules(
     )
 
 
-@pytest.mark.parametrize("fmt", ["fp8-static", "nvfp4-w4a4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4-w4a4", "nvfp4"])
 def test_modelopt_builds_vllm_cannot_run_on_cpu_are_refused_by_name(
     fmt: str, small_target: Path, small_checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -234,3 +243,37 @@ def test_modelopt_builds_vllm_cannot_run_on_cpu_are_refused_by_name(
     build = _modelopt_build(small_checkpoint, fmt, tmp_path)
     with pytest.raises(FindingError, match=rf"is stored as {fmt}, which vLLM cannot serve on CPU"):
         load_drafter(small_target, build, dtype="bfloat16")
+
+
+def test_modelopt_fp8_fused_shards_with_their_own_scales_are_requantized_as_vllm_does(
+    small_target: Path, small_checkpoint: Path, tmp_path: Path
+) -> None:
+    """ModelOpt's drafter quantizer scales every module alone; vLLM requantizes a fused layer's shards
+    to their largest scale: context_kv_proj stacks the five layers' kv_a, each with its own scale."""
+    from safetensors.torch import load_file, save_file
+
+    from vllm_dspark.checkpoint import modelopt
+    from vllm_dspark.compat import absorbed_weight
+    from vllm_dspark.ops.act_quant import requantize_fp8_shards
+
+    build = _modelopt_build(small_checkpoint, "fp8-static", tmp_path)
+    (shard,) = build.glob("*.safetensors")
+    tensors, source = load_file(shard), load_file(next(small_checkpoint.glob("*.safetensors")))
+    kv_a = sorted(k.removesuffix(".weight") for k in source if "kv_a_proj_with_mqa.weight" in k)
+    for module in kv_a:  # each layer's kv_a under its own amax, as ModelOpt writes it
+        own = modelopt.quantize(source[f"{module}.weight"], "fp8-static")
+        tensors.update({f"{module}.{suffix}": t for suffix, t in own.items()})
+    save_file(tensors, shard, metadata={"format": "pt"})
+    scales = torch.cat([tensors[f"{m}.weight_scale"] for m in kv_a])
+    assert len(kv_a) == 5 and len(set(scales.tolist())) == 5
+
+    served = load_drafter(small_target, build, dtype="bfloat16")
+    codes = torch.cat([tensors[f"{m}.weight"] for m in kv_a])
+    widths = [tensors[f"{m}.weight"].shape[0] for m in kv_a]
+    requantized, top = requantize_fp8_shards(codes, scales, widths)
+    expected = (requantized.float() * top).to(torch.bfloat16)
+    served_weight = absorbed_weight(served.model.model.context_kv_proj, torch.bfloat16)
+    assert torch.equal(served_weight, expected)
+    # Requantizing moves a code by at most one E4M3 step of the largest scale.
+    stored = codes.float() * scales.repeat_interleave(torch.tensor(widths))[:, None]
+    assert (expected.float() - stored).abs().max() <= top * 32

@@ -296,10 +296,6 @@ class FP8Static(QuantFormat):
     contract = FP8.contract
     activation = ActScheme("fp8_tensor")
     fused_shares_scale = True  # vLLM requantizes fused shards to their largest scale otherwise
-    # process_fp8_weight_tensor_strategy requantizes every per-tensor weight with scaled_fp8_quant.
-    cpu_gap = (
-        "vLLM requantizes per-tensor FP8 weights at load with a CUDA-only op (scaled_fp8_quant)"
-    )
     input_args = {
         **_FP8_INPUTS,
         "strategy": "tensor",

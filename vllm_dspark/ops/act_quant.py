@@ -57,15 +57,37 @@ class ActScheme:
 KINDS = ("fp8_token", "fp8_tensor", "fp8_group", "nvfp4")
 
 
-def _fp8_qdq(x: torch.Tensor, scale: torch.Tensor, *, divide: bool = False) -> torch.Tensor:
-    """x * (1 / scale) (or x / scale) saturated to E4M3, times scale, in ``x.dtype``.
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, *, divide: bool = False) -> torch.Tensor:
+    """E4M3 codes of x * (1 / scale) (or x / scale), saturated.
 
-    vLLM's per-token and per-tensor paths multiply by the reciprocal, its group path divides:
-    the two round differently, so each is mirrored.
+    vLLM's per-token and per-tensor paths (and its CUDA static quant op) multiply by the reciprocal,
+    its group path divides: the two round differently, so each is mirrored.
     """
     scaled = x.float() / scale if divide else x.float() * scale.reciprocal()
-    q = scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
+    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _fp8_qdq(x: torch.Tensor, scale: torch.Tensor, *, divide: bool = False) -> torch.Tensor:
+    """:func:`fp8_quantize`, times scale, in ``x.dtype``."""
+    return (fp8_quantize(x, scale, divide=divide).float() * scale).to(x.dtype)
+
+
+def requantize_fp8_shards(
+    weight: torch.Tensor, scales: torch.Tensor, widths: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused per-tensor FP8 weight under its shards' largest scale, as vLLM makes it at load.
+
+    vLLM's ``requantize_with_max_scale``: each shard of E4M3 ``weight`` [N, K] dequantized in float16
+    with its own scale, then quantized with the largest. Returns ``(codes, largest scale)``.
+    """
+    top = scales.float().max()
+    out = torch.empty_like(weight)
+    start = 0
+    for width, scale in zip(widths, scales.float()):
+        shard = weight[start : start + width].to(torch.float16) * scale  # float16, as vLLM's
+        out[start : start + width] = fp8_quantize(shard, top)
+        start += width
+    return out, top
 
 
 def fp8_per_token(x: torch.Tensor) -> torch.Tensor:

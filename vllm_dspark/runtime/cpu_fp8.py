@@ -3,7 +3,8 @@
 """CPU kernels for FP8 linears: weight-only (W8A16), W8A8 per token or per tensor, and W8A8 128-blocks.
 
 vLLM has no CPU kernel for FP8 weight-only linears, and its W8A8 ones need AMX (else
-``torch._scaled_mm`` per call, or nothing for blocks). :func:`install` offers these, which
+``torch._scaled_mm`` per call, or nothing for blocks); it requantizes per-tensor FP8 weights at load
+with a CUDA-only op. :func:`install` offers these kernels and that op's static case, which
 ``K3DSparkForCausalLM`` calls before building a quantized drafter's layers. Each dequantizes the
 weight once, after loading, into the model dtype; from then on the layer is an unquantized linear on
 vLLM's CPU GEMM dispatch. The W8A8 ones first quantize and dequantize the input as the GPU kernels
@@ -28,8 +29,8 @@ from vllm.model_executor.layers.utils import cpu_unquantized_gemm, dispatch_cpu_
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
-from vllm_dspark.compat import add_cpu_fp8_kernels
-from vllm_dspark.ops.act_quant import ActScheme
+from vllm_dspark.compat import add_cpu_fp8_kernels, add_cpu_static_fp8_quant
+from vllm_dspark.ops.act_quant import ActScheme, fp8_quantize
 
 # Per-tensor scales reach a kernel already expanded per channel by the scheme; ModelOpt's per-channel
 # weights are keyed per token (GroupShape(1, -1)).
@@ -136,3 +137,5 @@ def install() -> None:
             CPUDequantFP8W8A8LinearKernel,
             CPUDequantFP8BlockLinearKernel,
         )
+        # Per-tensor FP8 weights are requantized to their fused layer's largest scale at load.
+        add_cpu_static_fp8_quant(fp8_quantize)
