@@ -110,6 +110,26 @@ W8A8_FP8_BLOCK_KERNELS = Touchpoint(
     "vllm.model_executor.kernels.linear:_POSSIBLE_FP8_BLOCK_KERNELS",
     "vLLM's CPU FP8 block kernels need AMX tiles; cpu_fp8 adds one that needs none",
 )
+MXFP4_KERNELS = Touchpoint(
+    "mxfp4_kernels",
+    "vllm.model_executor.kernels.linear:_POSSIBLE_MXFP4_KERNELS",
+    "vLLM has no CPU kernel for MXFP4 linears; cpu_fp4 adds one",
+)
+# Where vLLM picks an NVFP4 kernel by CUDA capability (weight-only forced to Marlin): per caller,
+# as each binds the function by name.
+NVFP4_KERNEL_CHOICE = Touchpoint(
+    "nvfp4_kernel_choice",
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
+    "compressed_tensors_w4a4_nvfp4:init_nvfp4_linear_kernel",
+    "compressed-tensors' NVFP4 scheme gets no CPU kernel from vLLM; cpu_fp4 gives it one",
+    params=("use_a16",),
+)
+MODELOPT_NVFP4_KERNEL_CHOICE = Touchpoint(
+    "modelopt_nvfp4_kernel_choice",
+    "vllm.model_executor.layers.quantization.modelopt:init_nvfp4_linear_kernel",
+    "ModelOpt's NVFP4 linears get no CPU kernel from vLLM; cpu_fp4 gives them one",
+    params=("use_a16",),
+)
 SCALED_FP8_QUANT = Touchpoint(
     "scaled_fp8_quant",
     "vllm._custom_ops:scaled_fp8_quant",
@@ -262,6 +282,9 @@ TOUCHPOINTS = (
     W8A8_FP8_KERNELS,
     W8A8_FP8_BLOCK_KERNELS,
     SCALED_FP8_QUANT,
+    MXFP4_KERNELS,
+    NVFP4_KERNEL_CHOICE,
+    MODELOPT_NVFP4_KERNEL_CHOICE,
     ACCELERATOR_NOOP,
     ACCELERATOR_NOOP_SHM,
     V1_RUNNER_CHECK,
@@ -373,6 +396,30 @@ def add_cpu_fp8_kernels(w8a16: type, w8a8: type, block: type) -> None:
         kernels = point.resolve().setdefault(PlatformEnum.CPU, [])
         if kernel not in kernels:
             kernels.insert(0 if first else len(kernels), kernel)
+
+
+def add_cpu_fp4_kernels(nvfp4: type, mxfp4: type) -> None:
+    """Offer the plugin's FP4 kernels on vLLM's CPU platform, first; idempotent."""
+    from vllm.platforms import PlatformEnum
+
+    kernels = MXFP4_KERNELS.resolve().setdefault(PlatformEnum.CPU, [])
+    if mxfp4 not in kernels:
+        kernels.insert(0, mxfp4)
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def init_nvfp4_linear_kernel(use_a16: bool = False) -> Any:
+            from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearLayerConfig
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                return nvfp4(NvFp4LinearLayerConfig())
+            return original(use_a16)
+
+        return init_nvfp4_linear_kernel
+
+    for point in (NVFP4_KERNEL_CHOICE, MODELOPT_NVFP4_KERNEL_CHOICE):
+        point.resolve()
+        point.wrap_once(wrap)
 
 
 def add_cpu_static_fp8_quant(quantize: Callable[[Any, Any], Any]) -> None:

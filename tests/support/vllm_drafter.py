@@ -29,6 +29,20 @@ from vllm_dspark.tools.vllm_load import Served, load_with_vllm
 SKEWED_CONFIG = {"logit_scale": 1.75, "mscale": 1.0, "mscale_all_dim": 0.5}
 
 
+# Relative L2 error of each hook, FP8 served in BF16 against the FP32 reference, about 3x what was
+# measured on the seed-0 batch this test uses (worst over batch seeds 0-3 in brackets). The heads that
+# run in FP32 or are table lookups are exact (tests/vllm/test_model_quant.py).
+BF16_HOOK_BOUNDS = {
+    "combine_hidden_states": 1.2e-2,  # measured 3.7e-3 (4.0e-3)
+    "context_latent": 8e-3,  # 2.6e-3 (2.8e-3)
+    "forward": 6e-2,  # 2.0e-2 (2.3e-2): five BF16 layers of attention and MLP
+    "compute_draft_logits": 5e-3,  # 1.6e-3 (1.7e-3)
+    "markov_embed": 0.0,  # 0: a BF16 table row, exact in FP32
+    "markov_bias": 5e-3,  # 1.7e-3 (1.7e-3)
+    "compute_confidence": 1e-6,  # 0: an FP32 head on the same inputs; the bound is FP32 rounding
+}
+
+
 def load_drafter(
     target_dir: Path,
     draft_dir: Path,

@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.vllm_drafter import Served, assert_hooks_match_reference, load_drafter
+from tests.support.vllm_drafter import (
+    BF16_HOOK_BOUNDS,
+    Served,
+    assert_hooks_match_reference,
+    load_drafter,
+)
 
 # An input that lands on another side of an FP8 rounding boundary moves one element by one E4M3 step
 # (2^-4 relative): whole-output relative errors, not elementwise ones (measured ~1e-6 to 1e-4).
@@ -30,6 +35,13 @@ W8A8_HOOK_BOUNDS = {
     "markov_bias": 5e-3,
     "compute_confidence": 5e-3,
 }
+
+
+# Weight-only FP4 in FP32: the same dequantized weights, so rounding only (measured <= 4.8e-6).
+FP32_HOOK_BOUNDS = dict.fromkeys(W8A8_HOOK_BOUNDS, 2e-5)
+# W4A4: an input on an E2M1 rounding boundary moves by a whole step (up to a third of its value);
+# measured 7.7e-2 over the five layers.
+W4A4_HOOK_BOUNDS = {**W8A8_HOOK_BOUNDS, "forward": 2e-1}
 
 
 @pytest.fixture(scope="module")
@@ -104,18 +116,39 @@ def test_w8a8_build_serves_on_the_recipe_and_matches_the_reference(
     assert_hooks_match_reference(served, reference, norm_rtol=W8A8_HOOK_BOUNDS)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4-w4a4"])
-def test_builds_vllm_cannot_run_on_cpu_are_refused_by_name(
-    fmt: str, small_target: Path, small_checkpoint: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("fmt", "scheme", "bounds"),
+    [
+        ("mxfp4", "CompressedTensorsW4A4Mxfp4", FP32_HOOK_BOUNDS),
+        ("nvfp4", "CompressedTensorsW4A4Fp4", FP32_HOOK_BOUNDS),
+        ("nvfp4-w4a4", "CompressedTensorsW4A4Fp4", W4A4_HOOK_BOUNDS),
+    ],
+)
+def test_fp4_builds_serve_on_cpu_and_match_the_reference(
+    fmt: str,
+    scheme: str,
+    bounds: dict[str, float],
+    small_target: Path,
+    small_checkpoint: Path,
+    tmp_path: Path,
 ) -> None:
-    from vllm_dspark.findings import FindingError
+    """vLLM has no CPU FP4 kernel: the plugin's dequantizes once (as vLLM's emulation) and, for W4A4,
+    quantizes inputs per 16-block as the GPU does. Weight-only builds match the FP32 reference to
+    rounding; W4A4 within the E2M1 steps that FP32 summation order tips."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    from vllm_dspark.reference.drafter import ReferenceDrafter
 
     build = _quantized(small_checkpoint, fmt, tmp_path)
-    with pytest.raises(
-        FindingError,
-        match=rf"is stored as {fmt}, which vLLM cannot serve on CPU.*Fix: serve it on a GPU",
-    ):
-        load_drafter(small_target, build)
+    served = load_drafter(small_target, build)
+    kernels = {
+        (type(m.scheme).__name__, type(m.scheme.kernel).__name__)
+        for m in served.model.modules()
+        if isinstance(m, LinearBase) and not isinstance(m.quant_method, UnquantizedLinearMethod)
+    }
+    kernel = "CPUDequantMxFp4LinearKernel" if fmt == "mxfp4" else "CPUDequantNvFp4LinearKernel"
+    assert kernels == {(scheme, kernel)}
+    assert_hooks_match_reference(served, ReferenceDrafter.from_pretrained(build), norm_rtol=bounds)
 
 
 # ----- ModelOpt -----
@@ -235,14 +268,50 @@ def test_modelopt_fp8_serves_exactly_its_quantized_modules(
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4-w4a4", "nvfp4"])
-def test_modelopt_builds_vllm_cannot_run_on_cpu_are_refused_by_name(
+def test_modelopt_nvfp4_serves_on_cpu_with_modelopts_own_dequantization(
     fmt: str, small_target: Path, small_checkpoint: Path, tmp_path: Path
 ) -> None:
-    from vllm_dspark.findings import FindingError
+    """ModelOpt's NVFP4 builds on the plugin's CPU kernel: every quantized layer holds exactly the
+    weight ModelOpt's math dequantizes (read back as vLLM's MLA would), and the model stays within
+    BF16 serving's bounds of the FP32 reference."""
+    from safetensors.torch import load_file
+
+    from vllm_dspark.checkpoint import modelopt
+    from vllm_dspark.compat import absorbed_weight
+    from vllm_dspark.reference.drafter import ReferenceDrafter
 
     build = _modelopt_build(small_checkpoint, fmt, tmp_path)
-    with pytest.raises(FindingError, match=rf"is stored as {fmt}, which vLLM cannot serve on CPU"):
-        load_drafter(small_target, build, dtype="bfloat16")
+    served = load_drafter(small_target, build, dtype="bfloat16")
+    quantized = _quantized_layers(served)
+    assert set(quantized) == set(_EVERY)
+    assert {type(m.kernel).__name__ for m in quantized.values()} == {"CPUDequantNvFp4LinearKernel"}
+    (shard,) = build.glob("*.safetensors")
+    stored = load_file(shard)
+
+    def dequantized(module: str) -> torch.Tensor:
+        parts = {k.rsplit(".", 1)[1]: v for k, v in stored.items() if k.startswith(f"{module}.")}
+        n, k = parts["weight"].shape[0], parts["weight"].shape[1] * 2
+        return modelopt.dequantize(parts, fmt, (n, k))
+
+    model = served.model.model
+    layer = model.layers[1]
+    for runtime, modules in [
+        (model.context_proj, ["context_proj"]),
+        (layer.mlp.gate_up_proj, ["layers.1.mlp.gate_proj", "layers.1.mlp.up_proj"]),
+        (layer.self_attn.o_proj, ["layers.1.self_attn.o_proj"]),
+    ]:
+        expected = torch.cat([dequantized(m) for m in modules]).to(torch.bfloat16)
+        assert torch.equal(absorbed_weight(runtime, torch.bfloat16), expected), modules
+    reference = ReferenceDrafter.from_pretrained(build)
+    if fmt == "nvfp4":
+        assert_hooks_match_reference(served, reference, norm_rtol=BF16_HOOK_BOUNDS)
+    else:  # W4A4 in BF16: its inputs are quantized as the reference's are (the same scheme and scale)
+        for module in (model.context_proj, layer.mlp.down_proj):
+            scheme, scale = module.dspark_input_quant
+            ours = reference.get_submodule(
+                "context_proj" if module is model.context_proj else "layers.1.mlp.down_proj"
+            ).input_quant
+            assert (scheme, float(scale)) == (ours[0], float(ours[1])) == (scheme, 6.0)
 
 
 def test_modelopt_fp8_fused_shards_with_their_own_scales_are_requantized_as_vllm_does(

@@ -24,6 +24,7 @@ import torch
 
 from vllm_dspark.checkpoint.layout import QUANT_FORMATS
 from vllm_dspark.ops.act_quant import FP4_MAX, ActScheme
+from vllm_dspark.ops.fp4 import dequantize_nvfp4
 
 if TYPE_CHECKING:
     from compressed_tensors.compressors import BaseCompressor
@@ -83,7 +84,6 @@ class QuantFormat:
     block: tuple[int, int] | None = None  # (rows, columns) per weight scale of a block format
     scale_dtype: torch.dtype | None = None  # a stored scale dtype the scheme names; None: float
     activation: ActScheme | None = None  # how vLLM quantizes the input; None: weight-only (W*A16)
-    cpu_gap: str | None = None  # why vLLM cannot build it on CPU, even with the plugin's kernels
     input_args: dict[str, Any] | None = None  # the preset's input activation args, as data
     modelopt_algo: str | None = None  # ModelOpt's quant_algo for the same numerics, if it has one
 
@@ -185,6 +185,12 @@ class QuantFormat:
         self, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
     ) -> torch.Tensor:
         return dequantize_weight(dict(tensors), self.name, shape)
+
+    def served_weight(
+        self, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
+    ) -> torch.Tensor:
+        """float32 [N, K] as vLLM's kernels see it (what the reference drafter runs); :meth:`dequantize`'s."""
+        return self.dequantize(tensors, shape)
 
     def snr_db(self, weight: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> float:
         return weight_snr_db(weight, dict(tensors), self.name)
@@ -371,7 +377,6 @@ class _FP4(QuantFormat):
     """E2M1 codes packed two per byte, one scale per group of input columns."""
 
     num_bits = 4
-    cpu_gap = "vLLM has no CPU kernel for FP4 linears"
     scale_dtype: torch.dtype
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
@@ -423,6 +428,13 @@ class NVFP4(_FP4):
             and "weight_global_scale" in dtypes
             and ("input_global_scale" in dtypes) == (self.activation is not None)
         )
+
+    def served_weight(
+        self, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
+    ) -> torch.Tensor:
+        # vLLM multiplies by 1 / global scale in float32; compressed-tensors' decompressor rounds to BF16.
+        multiplier = 1.0 / tensors["weight_global_scale"].float().max()
+        return dequantize_nvfp4(tensors["weight_packed"], tensors["weight_scale"], multiplier)
 
     def shared_global_scale(self, weights: Iterable[torch.Tensor]) -> torch.Tensor:
         """vLLM applies one global scale to a fused layer: from the largest magnitude of all its shards.

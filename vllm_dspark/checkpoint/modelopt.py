@@ -21,6 +21,7 @@ import torch
 from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.formats import CALIBRATION_FREE_INPUT_AMAX, TensorSpec
 from vllm_dspark.ops.act_quant import FP4_MAX
+from vllm_dspark.ops.fp4 import dequantize_nvfp4
 
 ENCODING = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"  # where ModelOpt (and vLLM, failing config.json) reads it
@@ -28,8 +29,6 @@ HF_QUANT_CONFIG = "hf_quant_config.json"  # where ModelOpt (and vLLM, failing co
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}
 _FP8_MAX = 448.0
 _NVFP4_GROUP = 16
-# E2M1 code -> value (nvfp4_tensor.py's table): sign bit 3, magnitude index bits 0-2.
-_E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 # Magnitudes rounding up to the next code; a tie goes down except at 0.75, 1.75 and 3.5 (ties to even).
 _E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
@@ -234,8 +233,4 @@ def dequantize(
     if fmt in ("fp8-static", "fp8-dynamic"):
         scale = tensors["weight_scale"].float()
         return tensors["weight"].float() * scale.reshape((n, 1) if fmt == "fp8-dynamic" else ())
-    packed = tensors["weight"]
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, k).long()
-    values = _E2M1[codes].view(n, k // _NVFP4_GROUP, _NVFP4_GROUP)
-    scale = tensors["weight_scale"].float() * tensors["weight_scale_2"].float().reshape(())
-    return (values * scale.unsqueeze(-1)).reshape(n, k)
+    return dequantize_nvfp4(tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"])

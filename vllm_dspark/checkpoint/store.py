@@ -493,7 +493,7 @@ def _dequantize(
         if encoding == modelopt.ENCODING:
             weight = modelopt.dequantize(parts, fmt, tuple(shape))
         else:
-            weight = formats.get(fmt).dequantize(parts, tuple(shape))
+            weight = formats.get(fmt).served_weight(parts, tuple(shape))
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"{module}: cannot dequantize its {fmt} weight: {e}") from None
     if tuple(weight.shape) != tuple(shape):

@@ -34,7 +34,6 @@ from vllm.model_executor.models.utils import (
 from vllm.models.common.ops.fused_allreduce_rms_norm import fused_allreduce_rms_norm
 from vllm.platforms import current_platform
 
-from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import FUSED_GROUPS, checkpoint_modules
 from vllm_dspark.checkpoint.quant_plan import (
     QuantPlan,
@@ -139,22 +138,11 @@ def _draft_quant_config(
     if normalized is None:
         return None, plan
     if current_platform.is_cpu():
-        gaps = {
-            f: formats.get(f).cpu_gap for f in set(plan.modules.values()) if formats.get(f).cpu_gap
-        }
-        if gaps:
-            fmt, why = sorted(gaps.items())[0]
-            raise FindingError(
-                Finding(
-                    f"K3 DSpark drafter {draft_dir} is stored as {fmt}, which vLLM cannot serve on CPU: {why}",
-                    "serve it on a GPU, or quantize the BF16 checkpoint to fp8 or fp8-dynamic for CPU "
-                    "(`vllm-dspark quantize --quant-format fp8-dynamic`)",
-                )
-            )
-        # vLLM has no CPU kernel for FP8 weight-only linears: add ours before any layer picks one.
-        from vllm_dspark.runtime.cpu_fp8 import install
+        # vLLM has no CPU kernels for FP8 weight-only or FP4 linears: add ours before any layer picks one.
+        from vllm_dspark.runtime import cpu_fp4, cpu_fp8
 
-        install()
+        cpu_fp8.install()
+        cpu_fp4.install()
     vllm_class = {
         "compressed-tensors": CompressedTensorsConfig,
         "modelopt": ModelOptFp8Config,
@@ -623,6 +611,8 @@ class _StrictLoad:
         unfilled = []
         for name in self.params:
             module = self.modules[name.rpartition(".")[0]]
+            if _dropped_after_loading(module, name.rpartition(".")[2]):
+                continue
             fused = isinstance(module, MergedColumnParallelLinear)
             want = set(range(len(module.output_sizes))) if fused else {None}
             if self.filled[name] != want:
@@ -638,6 +628,13 @@ class _StrictLoad:
                 )
             )
         return set(self.filled)
+
+
+def _dropped_after_loading(module: nn.Module, param: str) -> bool:
+    """Whether vLLM registers ``param`` only to drop it if a legacy checkpoint fills it: ModelOpt
+    W4A16 NVFP4's ``input_scale``, which its weight-only builds do not store."""
+    spec = getattr(getattr(module, "quant_method", None), "spec", None)
+    return param == "input_scale" and spec is not None and spec.activation is None
 
 
 def _no_parameter(name: str, target: str, module: str, params: dict[str, Any]) -> Finding:
