@@ -565,3 +565,42 @@ def test_modelopt_normalized_config_excludes_the_runtime_names(modelopt_builds) 
     assert normalized["ignore"] == [runtime_name(s, 93) for s in bf16]
     assert "model.layers.94.self_attn.q_a_proj" in normalized["ignore"]
     assert not any(".layers.0." in e or e.startswith("*") for e in normalized["ignore"])
+
+
+@pytest.mark.vllm_api
+@pytest.mark.parametrize("fmt", ["fp8-static", "fp8-dynamic", "nvfp4-w4a4", "nvfp4"])
+def test_vllms_modelopt_config_excludes_exactly_the_bf16_modules_at_runtime_names(
+    modelopt_builds, fmt: str
+) -> None:
+    """Each wheel's own ModelOpt config, from the normalized one, quantizes exactly the stored-quantized
+    runtime layers; read from the checkpoint's excludes (checkpoint layer numbers) it would quantize
+    the BF16 q_a/kv_a too: the in-tree mis-build the normalization prevents."""
+    from vllm.model_executor.layers.quantization.modelopt import (
+        ModelOptFp8Config,
+        ModelOptNvFp4Config,
+    )
+
+    from vllm_dspark.runtime.model import PACKED_MODULES_MAPPING
+
+    model_dir = modelopt_builds(fmt, _ATTN_A)
+    config, plan = load_config(model_dir), resolve_checkpoint(model_dir)
+    start = config.target_num_hidden_layers
+    normalized = quant_plan.vllm_quantization_config(plan, config, start_layer_id=start)
+    stored = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    cls = ModelOptNvFp4Config if "nvfp4" in fmt else ModelOptFp8Config
+    ours, in_tree = cls.from_config(normalized), cls.from_config(stored)
+    for quant_config in (ours, in_tree):
+        quant_config.packed_modules_mapping = PACKED_MODULES_MAPPING
+    fused_a = [
+        f"model.layers.{start + i}.self_attn.fused_qkv_a_proj"
+        for i in range(config.num_hidden_layers)
+    ]
+    quantized = [
+        f"model.layers.{start + i}.{kind}"
+        for i in range(config.num_hidden_layers)
+        for kind in (*RECIPE_RUNTIME, "self_attn.kv_b_proj")
+    ] + ["model.context_proj"]
+    for prefix in fused_a:
+        assert ours.is_layer_excluded(prefix) and not in_tree.is_layer_excluded(prefix), prefix
+    for prefix in quantized:
+        assert not ours.is_layer_excluded(prefix) and not in_tree.is_layer_excluded(prefix), prefix
