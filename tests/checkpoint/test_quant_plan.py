@@ -604,3 +604,35 @@ def test_vllms_modelopt_config_excludes_exactly_the_bf16_modules_at_runtime_name
         assert ours.is_layer_excluded(prefix) and not in_tree.is_layer_excluded(prefix), prefix
     for prefix in quantized:
         assert not ours.is_layer_excluded(prefix) and not in_tree.is_layer_excluded(prefix), prefix
+
+
+def test_modelopt_nvfp4_with_its_own_scale_per_fused_shard_is_refused_by_check_doctor_and_vllm(
+    modelopt_builds, tiny_checkpoint: Path, tiny_mla_target: Path, tmp_path: Path
+) -> None:
+    """ModelOpt's drafter quantizer scales gate and up alone; vLLM's NVFP4 linear takes the larger
+    weight_scale_2 for the fused layer without rescaling the block scales: a silently wrong model."""
+    from safetensors.torch import load_file
+
+    from vllm_dspark.checkpoint import modelopt
+
+    model_dir = tmp_path / "own-scales"
+    shutil.copytree(modelopt_builds("nvfp4"), model_dir)
+    (shard,) = model_dir.glob("*.safetensors")
+    tensors = load_file(shard)
+    source = load_file(next(tiny_checkpoint.glob("*.safetensors")))
+    # The shard with the smaller amax gets its own, smaller scale.
+    shard_name = min(
+        ("layers.0.mlp.gate_proj", "layers.0.mlp.up_proj"),
+        key=lambda m: float(source[f"{m}.weight"].float().abs().max()),
+    )
+    own = modelopt.quantize(source[f"{shard_name}.weight"], "nvfp4")
+    tensors.update({f"{shard_name}.{suffix}": t for suffix, t in own.items()})
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+    (problem,) = [p for p in check_checkpoint(model_dir).problems if "differs" in p.problem]
+    assert problem.problem.startswith("NVFP4 weight_scale_2 differs across the fused modules")
+    assert problem.where == "layers.0.mlp.gate_up_proj"
+    (doctor,) = [f for f in _doctor(model_dir) if f.severity == "error"]
+    assert doctor.problem.endswith(problem.problem) and doctor.fix == problem.fix
+    with pytest.raises(ValueError, match="NVFP4 weight_scale_2 differs across the fused modules"):
+        load_drafter(tiny_mla_target, model_dir, dtype="bfloat16")

@@ -8,12 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_dspark.checkpoint import modelopt, quant_plan
+from vllm_dspark.checkpoint import formats, modelopt, quant_plan
 from vllm_dspark.checkpoint.layout import (
     TARGET_HEADS,
     ModuleSpec,
     checkpoint_modules,
-    fused_module_groups,
 )
 from vllm_dspark.checkpoint.st_io import SAFETENSORS_DTYPES, StoredTensor, read_tensor
 from vllm_dspark.checkpoint.store import (
@@ -134,10 +133,6 @@ def _tensor_problems(
     return problems
 
 
-# An NVFP4 weight's per-tensor global scale: compressed-tensors' name, then ModelOpt's.
-_GLOBAL_SCALES = ("weight_global_scale", "weight_scale_2")
-
-
 def _scale_problems(
     specs: list[ModuleSpec],
     quantized: dict[str, str],
@@ -152,7 +147,7 @@ def _scale_problems(
             continue
         for suffix in stored_tensor_specs(fmt, spec.shape, encoding):
             key = f"{spec.name}.{suffix}"
-            if not suffix.endswith("scale") or key not in stored:
+            if not formats.is_scale(suffix) or key not in stored:
                 continue  # a missing scale is already a missing-tensor problem
             scale = read_tensor(stored[key].path, key)
             bad = invalid_scale_count(scale)
@@ -164,23 +159,10 @@ def _scale_problems(
                         key,
                     )
                 )
-            if suffix in _GLOBAL_SCALES and scale.numel() == 1:
+            if suffix in formats.GLOBAL_SCALE_SUFFIXES and scale.numel() == 1:
                 global_scales[spec.name] = float(scale)
-    name = _GLOBAL_SCALES[0 if encoding != modelopt.ENCODING else 1]
-    for fused, members in fused_module_groups(global_scales).items():
-        values = {global_scales[m] for m in members}
-        if len(values) > 1:
-            listed = ", ".join(f"{m}={global_scales[m]:.6g}" for m in members)
-            problems.append(
-                Finding(
-                    f"NVFP4 {name} differs across the fused modules ({listed}), but "
-                    "vLLM applies one global scale to the fused layer (without rescaling the "
-                    "block scales)",
-                    f"{_REQUANTIZE}, which gives fused modules a shared global scale",
-                    fused,
-                )
-            )
-    return problems
+    name = formats.GLOBAL_SCALE_SUFFIXES[encoding == modelopt.ENCODING]
+    return problems + quant_plan.fused_scale_conflicts(global_scales, name)
 
 
 def check_checkpoint(model_dir: str | Path) -> CheckReport:

@@ -213,6 +213,15 @@ class QuantFormat:
         return (parts, *_error_sums(weight, parts, self.name))
 
 
+# An NVFP4 weight's per-tensor global scale: compressed-tensors' name, then ModelOpt's.
+GLOBAL_SCALE_SUFFIXES = ("weight_global_scale", "weight_scale_2")
+
+
+def is_scale(suffix: str) -> bool:
+    """Whether a stored tensor suffix is a scale (``weight_scale``, ModelOpt's ``weight_scale_2``, ...)."""
+    return suffix.endswith("scale") or suffix.endswith("scale_2")
+
+
 REGISTRY: dict[str, QuantFormat] = {}
 
 

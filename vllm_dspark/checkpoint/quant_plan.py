@@ -144,6 +144,25 @@ def _check_storage(specs: list[ModuleSpec], stored: dict[str, _Stored]) -> None:
             )
 
 
+def fused_scale_conflicts(global_scales: Mapping[str, float], name: str) -> list[Finding]:
+    """One finding per fused layer whose members' NVFP4 global scales (``name``) differ: vLLM applies
+    the largest to the whole layer without rescaling the block scales, so the rest dequantize wrong."""
+    found = []
+    for fused, members in fused_module_groups(global_scales).items():
+        if len({global_scales[m] for m in members}) > 1:
+            listed = ", ".join(f"{m}={global_scales[m]:.6g}" for m in members)
+            found.append(
+                Finding(
+                    f"NVFP4 {name} differs across the fused modules ({listed}), but vLLM applies "
+                    "one global scale to the fused layer (without rescaling the block scales)",
+                    "re-quantize the BF16 checkpoint with `vllm-dspark quantize`, which gives "
+                    "fused modules a shared global scale",
+                    fused,
+                )
+            )
+    return found
+
+
 # ----- what the config says -----
 
 

@@ -480,7 +480,7 @@ def _dequantize(
         suffix: read(f"{module}.{suffix}") for suffix in stored_tensor_specs(fmt, shape, encoding)
     }
     for suffix, tensor in parts.items():
-        bad = invalid_scale_count(tensor) if suffix.endswith("scale") else 0
+        bad = invalid_scale_count(tensor) if formats.is_scale(suffix) else 0
         if bad:
             raise FindingError(
                 Finding(

@@ -34,10 +34,12 @@ from vllm.model_executor.models.utils import (
 from vllm.models.common.ops.fused_allreduce_rms_norm import fused_allreduce_rms_norm
 from vllm.platforms import current_platform
 
+from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.layout import FUSED_GROUPS, checkpoint_modules
 from vllm_dspark.checkpoint.quant_plan import (
     QuantPlan,
     QuantPlanError,
+    fused_scale_conflicts,
     is_stray,
     vllm_quantization_config,
 )
@@ -554,6 +556,9 @@ class _StrictLoad:
         self.stored_modules = {spec.name for spec in checkpoint_modules(model.config)}
         self.filled: dict[str, set[int | None]] = defaultdict(set)
         self.current: tuple[str, torch.Tensor, str] | None = None
+        # NVFP4 global scales by checkpoint module, and the suffix they are stored under.
+        self.global_scales: dict[str, float] = {}
+        self.global_scale_name = ""
 
     def routed(
         self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -572,7 +577,10 @@ class _StrictLoad:
                         "use the config.json written with these weights",
                     )
                 )
-            if param_name.endswith("scale") and (bad := invalid_scale_count(tensor)):
+            if param_name in formats.GLOBAL_SCALE_SUFFIXES and tensor.numel() == 1:
+                self.global_scales[module] = float(tensor)
+                self.global_scale_name = param_name
+            if formats.is_scale(param_name) and (bad := invalid_scale_count(tensor)):
                 raise _Refused(
                     Finding(
                         f"{bad} of {tensor.numel()} scale values are NaN, infinite, zero or negative",
@@ -607,7 +615,13 @@ class _StrictLoad:
         )
 
     def complete(self) -> set[str]:
-        """Every parameter's name once all its shards are filled; else a ``ValueError`` naming the rest."""
+        """Every parameter's name once all its shards are filled; else a ``ValueError`` naming the rest.
+
+        Fused NVFP4 shards with different global scales are refused too: vLLM would serve them wrong.
+        """
+        conflicts = fused_scale_conflicts(self.global_scales, self.global_scale_name)
+        if conflicts:
+            raise FindingError(conflicts[0])
         unfilled = []
         for name in self.params:
             module = self.modules[name.rpartition(".")[0]]
