@@ -96,7 +96,7 @@ def test_fake_quantize_equals_the_packed_round_trip_in_bf16(
     f = formats.get(fmt)
     shared = f.shared_global_scale([weight, 3 * weight])  # a fused group's, where it has one
     packed = f.quantize(weight, global_scale=shared)
-    round_trip = f.dequantize(packed, tuple(weight.shape)).to(torch.bfloat16)
+    round_trip = f.served_weight(packed, tuple(weight.shape)).to(torch.bfloat16)
     fake = f.fake_quantize(weight, global_scale=shared)
     assert fake.dtype == torch.float32 and fake.shape == weight.shape
     assert torch.equal(fake.to(torch.bfloat16), round_trip)

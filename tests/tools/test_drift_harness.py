@@ -366,3 +366,32 @@ def test_window_starts_are_distinct_while_possible():
 def test_parse_position():
     assert [parse_position(s) for s in ("4096", "32k", "1M")] == [4096, 32768, 1 << 20]
     assert math.log2(parse_position("128K")) == 17
+
+
+@pytest.mark.parametrize("fmt", ["fp8-dynamic", "fp8-static", "nvfp4-w4a4"])
+def test_on_the_fly_w8a8_and_w4a4_variants_are_their_builds(
+    fmt: str, tiny_checkpoint, tmp_path
+) -> None:
+    """A format made on the fly quantizes the same inputs (not kv_b_proj's: vLLM absorbs it) with the
+    same scheme and scale, over the same weights, as the quantizer's build of it."""
+    from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
+    from vllm_dspark.drift.variants import load_variant
+
+    build = tmp_path / fmt
+    quantize_checkpoint(tiny_checkpoint, build, fmt, progress=False)
+    config, reference, heads = load_reference(str(tiny_checkpoint))
+    fly, _ = load_variant(fmt, str(tiny_checkpoint), config, heads, reference)
+    built, _ = load_variant(str(build), str(tiny_checkpoint), config, heads, reference)
+    quantized = 0
+    for (name, ours), (_, theirs) in zip(fly.named_modules(), built.named_modules()):
+        if hasattr(ours, "input_quant"):
+            assert torch.equal(ours.weight, theirs.weight), name
+            if ours.input_quant is None:
+                assert theirs.input_quant is None, name
+                continue
+            quantized += 1
+            (scheme, scale), (their_scheme, their_scale) = ours.input_quant, theirs.input_quant
+            assert scheme == their_scheme and (scale is None) == (their_scale is None), name
+            assert scale is None or float(scale) == float(their_scale), name
+    assert quantized == 1 + 5 * config.num_hidden_layers  # context_proj; q_b, o, gate, up, down
+    assert fly.layers[0].self_attn.kv_b_proj.input_quant is None

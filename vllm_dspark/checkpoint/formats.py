@@ -445,6 +445,12 @@ class NVFP4(_FP4):
         multiplier = 1.0 / tensors["weight_global_scale"].float().max()
         return dequantize_nvfp4(tensors["weight_packed"], tensors["weight_scale"], multiplier)
 
+    def fake_quantize(
+        self, weight: torch.Tensor, global_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # As served, not as compressed-tensors' fake_quantize rounds it.
+        return self.served_weight(self.quantize(weight, global_scale), tuple(weight.shape))
+
     def shared_global_scale(self, weights: Iterable[torch.Tensor]) -> torch.Tensor:
         """vLLM applies one global scale to a fused layer: from the largest magnitude of all its shards.
 

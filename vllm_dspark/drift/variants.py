@@ -12,19 +12,22 @@ import torch
 
 from vllm_dspark.checkpoint import formats, quant_config
 from vllm_dspark.checkpoint.layout import (
+    ABSORBED_KINDS,
     FP8_RECIPE,
     TARGET_DIR,
     checkpoint_modules,
     fused_module_groups,
+    module_kind,
     tensor_shapes,
 )
 from vllm_dspark.checkpoint.store import (
+    input_quantizers,
     load_drafter_state_dict,
     load_target_heads,
     resolve_checkpoint,
 )
 from vllm_dspark.config import K3DSparkConfig
-from vllm_dspark.drift import builtin_variants, default_variants
+from vllm_dspark.drift import builtin_variants, on_the_fly_variants
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.reference.drafter import ReferenceDrafter
 
@@ -67,14 +70,14 @@ def quantize_on_the_fly(
 ) -> list[str]:
     """Replace, in place, each included linear's weight by its ``fmt`` round trip; returns the modules.
 
-    Fused groups (gate/up per layer; q_a/kv_a across layers) share one global scale (NVFP4), as vLLM
-    requires and the quantizer writes.
+    Fused groups (gate/up per layer; q_a/kv_a across layers) share one scale where vLLM fuses them
+    under one (NVFP4's global scale, fp8-static's per-tensor scale), as the quantizer writes.
     """
     kinds = quant_config.validate_include_kinds(include, fmt, config)
     quant = formats.get(fmt)
     modules = [s.name for s in checkpoint_modules(config) if s.kind in kinds]
     global_scales: dict[str, torch.Tensor] = {}
-    if quant.has_global_scale:
+    if quant.fused_shares_scale:
         for members in fused_module_groups(modules).values():
             scale = quant.shared_global_scale(state_dict[f"{m}.weight"] for m in members)
             global_scales.update(dict.fromkeys(members, scale))
@@ -131,7 +134,7 @@ def load_variant(
 ) -> tuple[ReferenceDrafter, str]:
     """Variant ``name`` of the drafter in ``model`` (a format made on the fly, or a checkpoint
     directory), BF16-computed, and a description of where its weights came from."""
-    if name in default_variants():
+    if name in on_the_fly_variants():
         _, state_dict = load_drafter_state_dict(model, dtype=torch.bfloat16)
         state_dict.pop("embed_tokens.weight", None)
         source = f"{model} in BF16"
@@ -162,4 +165,29 @@ def load_variant(
         compute_dtype=torch.bfloat16,
         device=device,
     )
+    if name in on_the_fly_variants() and name != "bf16":
+        _quantize_inputs(drafter, name, modules, device)
+    elif Path(name).is_dir():
+        for module, (scheme, scale) in input_quantizers(name).items():
+            drafter.get_submodule(module).input_quant = (
+                scheme,
+                None if scale is None else scale.to(device),
+            )
     return drafter, source
+
+
+def _quantize_inputs(
+    drafter: ReferenceDrafter, fmt: str, modules: Sequence[str], device: str
+) -> None:
+    """Give an on-the-fly W8A8 / W4A4 variant's linears the input quantization its build would have:
+    the format's scheme and calibration-free static scale (absorbed modules excepted, as served)."""
+    quant = formats.get(fmt)
+    if quant.activation is None:
+        return
+    (scale,) = quant.input_scales().values() or (None,)
+    for module in modules:
+        if module_kind(module) not in ABSORBED_KINDS:
+            drafter.get_submodule(module).input_quant = (
+                quant.activation,
+                None if scale is None else scale.float().reshape(()).to(device),
+            )
