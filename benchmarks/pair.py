@@ -30,6 +30,7 @@ from benchmarks.common import (
     spread_text,
     write_result,
 )
+from vllm_dspark.drift import default_variants
 from vllm_dspark.safety import staged
 
 PAIR = Path(__file__).resolve().parent.parent / "tests" / "data" / "pair"
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     # Paths relative to the working directory: results record where the pair is, not this machine.
     pair, out = Path(os.path.relpath(args.pair)), args.out / "pair"
     prompts = json.loads((pair / "heldout_prompts.json").read_text())["prompts"][: args.prompts]
-    variants = ["bf16", "fp8", "mxfp4", "nvfp4"]
+    # Every format but the block ones, whose 128x128 blocks do not tile the pair's 64-wide projections.
+    variants = list(default_variants())
     # The prompts' ids are kept with the results: both tools read them, and the results name them.
     ids = Path(os.path.relpath(out / "prompts.json"))
     with staged(ids, directory=False) as staging:
