@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""FP8 linears (W8A16, and W8A8 per token and per block) on CPU at the drafter's real layer shapes.
+"""Quantized linears (FP8 W8A16 and W8A8, FP4 W4A16 and W4A4) on CPU at the drafter's real layer shapes.
 
-Ways to run one FP8 compressed-tensors linear, at batch 1 and at a 7-token block:
+Ways to run one compressed-tensors linear, at batch 1 and at a 7-token block:
 
-- ``plugin fp8`` / ``plugin fp8-dynamic`` / ``plugin fp8-block``: vLLM's own
-  ``CompressedTensorsW8A16Fp8`` / ``CompressedTensorsW8A8Fp8`` scheme with the plugin's CPU kernels
-  (``vllm_dspark.runtime.cpu_fp8``) — what the served drafter runs on CPU: dequantised once at load,
-  then (W8A8) the input quantized per token or per 128-group as on a GPU, then vLLM's CPU GEMM dispatch;
+- ``plugin FORMAT``, for every registered format: vLLM's own compressed-tensors scheme for it
+  (``CompressedTensorsW8A16Fp8``, ``CompressedTensorsW8A8Fp8``, ``CompressedTensorsW4A4Fp4``,
+  ``CompressedTensorsW4A4Mxfp4``) with the plugin's CPU kernels (``vllm_dspark.runtime.cpu_fp8``,
+  ``cpu_fp4``) — what the served drafter runs on CPU: dequantised once at load, then (W8A8, W4A4)
+  the input quantized per token, per tensor, per 128-group or per 16-block as on a GPU, then vLLM's
+  CPU GEMM dispatch;
 - ``bf16``: the same GEMM dispatch on the original BF16 weight (the baseline of every ratio);
 - ``dequant-bf16``: plain ``F.linear`` on the weight dequantised to BF16;
 - ``dequant-per-call``: dequantising the FP8 weight on every call, which is why the kernel does
@@ -74,36 +76,28 @@ def _bf16_drafter_config(preset: str) -> Iterator[None]:
             yield
 
 
-# The served formats a linear runs on the plugin's CPU kernels, with the vLLM scheme that builds it.
-PLUGIN_FORMATS = ("fp8", "fp8-dynamic", "fp8-block")
-
-
 def _plugin_layer(weight: torch.Tensor, fmt: str) -> tuple[torch.nn.Module, object]:
-    """``weight`` quantized to ``fmt``, in a layer built, loaded and finalised by vLLM's scheme, as the model does."""
-    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
-        CompressedTensorsW8A8Fp8,
-        CompressedTensorsW8A16Fp8,
+    """``weight`` quantized to ``fmt``, in a layer built, loaded and finalised by the scheme vLLM's
+    compressed-tensors config picks for it, as the model does."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
     )
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from vllm_dspark.checkpoint import formats
-    from vllm_dspark.runtime import cpu_fp8
+    from vllm_dspark.checkpoint import formats, quant_config
+    from vllm_dspark.runtime import cpu_fp4, cpu_fp8
 
     cpu_fp8.install()
-    f = formats.get(fmt)
+    cpu_fp4.install()
     n, k = weight.shape
-    q = f.quantize(weight)
+    q = formats.get(fmt).quantize(weight)
+    config = CompressedTensorsConfig.from_config(
+        quant_config.compressed_tensors_config({fmt: ["re:.*"]}, ignore=[])
+    )
     # vLLM builds and loads a model under its dtype as torch's default; the scheme reads it.
     with set_default_torch_dtype(torch.bfloat16):
-        if f.activation is None:
-            scheme = CompressedTensorsW8A16Fp8(
-                weight_quant=f.scheme.weights, is_static_input_scheme=False
-            )
-        else:
-            scheme = CompressedTensorsW8A8Fp8(
-                weight_quant=f.scheme.weights, is_static_input_scheme=False
-            )
+        scheme = config.get_scheme(torch.nn.Linear(k, n, device="meta"), layer_name="linear")
         layer = torch.nn.Module()
         scheme.create_weights(
             layer,
@@ -148,7 +142,7 @@ def run(
         # fp8-block's 128x128 blocks tile the real shapes, not every smoke preset's.
         plugin = {
             fmt: _plugin_layer(weight, fmt)
-            for fmt in PLUGIN_FORMATS
+            for fmt in formats.names()
             if formats.get(fmt).shape_problem((n, k)) is None
         }
         bf16 = _bf16_layer(weight)
