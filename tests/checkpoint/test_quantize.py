@@ -147,6 +147,51 @@ def test_fp8_is_bit_identical_to_compressed_tensors(drafters, quantized) -> None
             assert _same_bytes(written[f"{name}.{suffix}"], tensor), f"{name}.{suffix}"
 
 
+@pytest.mark.parametrize("fmt", [f for f in formats.names() if f != "fp8"])
+def test_every_format_is_compressed_tensors_own_compression_of_the_whole_weight(
+    drafters, quantized, fmt: str
+) -> None:
+    """What the chunked, multi-threaded writer stores for every module of ``small``, byte for byte,
+    is compressed-tensors' compressor on the whole weight with its own qparam helpers' scales (a
+    fused group's shared global scale where vLLM fuses under one), plus the static input scale."""
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    from vllm_dspark.checkpoint.layout import fused_module_groups
+
+    f = formats.get(fmt)
+    source, written = _tensors(drafters["small"]), _tensors(quantized["small", fmt])
+    modules = sorted({k.rsplit(".", 1)[0] for k in written if k.endswith(".weight_scale")})
+    assert len(modules) > 20
+    shared = {}
+    if f.fused_shares_scale:
+        for members in fused_module_groups(modules).values():
+            scale = f.shared_global_scale(source[f"{m}.weight"] for m in members)
+            shared.update(dict.fromkeys(members, scale))
+    args = f.scheme.weights
+    for name in modules:
+        weight = source[f"{name}.weight"].float()
+        gs = shared.get(name, f.shared_global_scale([weight]))
+        if args.strategy in ("channel", "block"):
+            blocks = args.block_structure or [1, weight.shape[1]]
+            grid = weight.unflatten(1, (-1, blocks[1])).unflatten(0, (-1, blocks[0]))
+            scale, _ = calculate_qparams(grid.amin(dim=(1, 3)), grid.amax(dim=(1, 3)), args)
+        elif args.strategy == "tensor":
+            scale = gs.reshape(1)
+            gs = None
+        else:
+            scale, _ = compute_dynamic_scales_and_zp(weight, args, module=None, global_scale=gs)
+        state = {"weight": weight, "weight_scale": scale}
+        if gs is not None:
+            state["weight_global_scale"] = gs.reshape(1)
+        with torch.compiler.set_stance("force_eager"):
+            expected = {**f.compressor.compress(state, f.scheme), **f.input_scales()}
+        if gs is not None:
+            expected["weight_global_scale"] = gs.reshape(1)
+        assert expected.keys() == f.tensor_specs(tuple(weight.shape)).keys(), name
+        for suffix, tensor in expected.items():
+            assert _same_bytes(written[f"{name}.{suffix}"], tensor), f"{name}.{suffix}"
+
+
 def test_workers_give_the_same_bytes(drafters, quantized, tmp_path: Path) -> None:
     out_dir = tmp_path / "workers"
     quantize_checkpoint(drafters["small"], out_dir, "nvfp4", workers=1, progress=False)
