@@ -36,6 +36,9 @@ def _load(results_dir: Path, name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+LINEAR_GOAL = 1.3  # a served linear's worst pair against the BF16 linear on the same CPU
+
+
 def goals(results_dir: Path = RESULTS_DIR) -> list[dict[str, str]]:
     """Each goal the benchmarks report against, with the committed figure and the command behind it."""
     rows = []
@@ -53,6 +56,17 @@ def goals(results_dir: Path = RESULTS_DIR) -> list[dict[str, str]]:
     def paired_text(result: dict[str, Any]) -> str:
         return f"{spread_text(result['ratio'], unit='×')} over {result['pairs']} pairs"
 
+    if linear := _load(results_dir, "fp8_linear"):
+        plugin = [r for r in linear["rows"] if r["path"].startswith("plugin ")]
+        worst = max(plugin, key=lambda r: r["paired"]["ratio"]["max"])
+        ratio = worst["paired"]["ratio"]["max"]
+        goal(
+            f"the plugin's CPU linears ({linear['preset']}, every format, 1 and 7 tokens) within "
+            f"{LINEAR_GOAL}× of the BF16 linear, worst pair",
+            f"{ratio:.2f}× ({worst['path']}, {worst['module']}, {worst['tokens']} token(s))",
+            ratio <= LINEAR_GOAL,
+            "fp8-linear",
+        )
     if quantizer := _load(results_dir, "quantizer"):
         goal(
             f"quantizer ({quantizer['preset']}, {quantizer['format']}) within "
