@@ -5,9 +5,9 @@ mutmut (PyPI, the ``test`` extra) mutates the functions matched by ``MUTANTS`` o
 in a copy of the package made here, and runs for each mutant the tests of ``[tool.mutmut]`` in
 ``pyproject.toml`` that execute the mutated function. A mutant is killed when a test fails. Covered:
 the rotary embedding and softmax scale, the Markov rollout and its per-row sampling, the doctor's
-``num_speculative_tokens`` check, the drift harness's cell inputs. Left out: the seed mixing
-(``stream_seed``, ``gumbel_noise``: any mixing is as right as the committed one, so no test can tell
-its constants apart) and the quant resolver (``quant_plan``), which is not among the mutated modules yet.
+``num_speculative_tokens`` check, the drift harness's cell inputs, and the quant resolver's functions
+(``checkpoint/quant_plan.py``). Left out: the seed mixing (``stream_seed``, ``gumbel_noise``: any
+mixing is as right as the committed one, so no test can tell its constants apart).
 
 The test prints the tally and fails when the run kills fewer mutants, or tallies a different number,
 than the README states (its figure comes from this test).
@@ -34,6 +34,8 @@ MUTANTS = (
     "vllm_dspark.doctor.checks.x_check_num_speculative_tokens__mutmut_*",
     "vllm_dspark.doctor.checks.x__block_size__mutmut_*",
     "vllm_dspark.drift.harness.x_batches__mutmut_*",
+    # The quant resolver's module functions (its config readers' methods are reached through them).
+    "vllm_dspark.checkpoint.quant_plan.x_*__mutmut_*",
 )
 README_FIGURE = re.compile(r"kills \*\*(\d+) of (\d+)\*\* mutants")
 
