@@ -20,15 +20,13 @@ import torch
 
 from vllm_dspark.checkpoint import formats
 from vllm_dspark.checkpoint.formats import CALIBRATION_FREE_INPUT_AMAX, TensorSpec
-from vllm_dspark.ops.act_quant import FP4_MAX
+from vllm_dspark.ops.act_quant import FP4_MAX, FP8_MAX, NVFP4_BLOCK
 from vllm_dspark.ops.fp4 import dequantize_nvfp4
 
 ENCODING = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"  # where ModelOpt (and vLLM, failing config.json) reads it
 # vLLM reads hf_quant_config.json only from the producer named "modelopt"; the layout is 0.47.0's.
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}
-_FP8_MAX = 448.0
-_NVFP4_GROUP = 16
 # Magnitudes rounding up to the next code; a tie goes down except at 0.75, 1.75 and 3.5 (ties to even).
 _E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
@@ -73,8 +71,8 @@ class Config:
                 "lives in the target's KV cache, whose dtype the target sets"
             )
         fmt = algos()[algo]
-        group = qc.get("group_size", _NVFP4_GROUP)
-        if formats.get(fmt).group_size == _NVFP4_GROUP and group != _NVFP4_GROUP:
+        group = qc.get("group_size", NVFP4_BLOCK)
+        if formats.get(fmt).group_size == NVFP4_BLOCK and group != NVFP4_BLOCK:
             raise ValueError(f"group_size is {group!r}; {algo} quantizes groups of 16")
         if not isinstance(excludes, list) or not all(isinstance(e, str) for e in excludes):
             raise ValueError(f"exclude_modules must be a list of names, found {excludes!r}")
@@ -98,8 +96,8 @@ def quantization_config(fmt: str, excludes: Sequence[str]) -> dict[str, Any]:
             + ", ".join(f"{f} ({a})" for a, f in algos().items())
         )
     block: dict[str, Any] = {"quant_algo": algo, "kv_cache_quant_algo": None}
-    if formats.get(fmt).group_size == _NVFP4_GROUP:
-        block["group_size"] = _NVFP4_GROUP
+    if formats.get(fmt).group_size == NVFP4_BLOCK:
+        block["group_size"] = NVFP4_BLOCK
     block["exclude_modules"] = list(excludes)
     method = "modelopt_fp4" if "NVFP4" in algo else "modelopt"
     return {**block, "quant_method": method, "ignore": list(excludes)}
@@ -148,7 +146,7 @@ def tensor_specs(fmt: str, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         }
     specs = {
         "weight": TensorSpec(torch.uint8, (n, k // 2)),
-        "weight_scale": TensorSpec(torch.float8_e4m3fn, (n, k // _NVFP4_GROUP)),
+        "weight_scale": TensorSpec(torch.float8_e4m3fn, (n, k // NVFP4_BLOCK)),
         "weight_scale_2": TensorSpec(torch.float32, ()),
     }
     if formats.get(fmt).activation is not None:
@@ -192,30 +190,30 @@ def quantize(
     formats._check_weight(weight, fmt)
     w = weight.detach()
     if fmt == "fp8-dynamic":
-        s = w.abs().amax(dim=1).float() / _FP8_MAX
+        s = w.abs().amax(dim=1).float() / FP8_MAX
         s = torch.where(s == 0, torch.ones_like(s), s)  # ModelOpt sanitizes a zero amax to maxbound
         return {"weight": (w / s[:, None]).to(torch.float8_e4m3fn), "weight_scale": s}
     amax = (w.abs().amax() if amax is None else amax).float()
     if fmt == "fp8-static":
-        s = (torch.where(amax == 0, _FP8_MAX, amax) / _FP8_MAX).reshape(1)
+        s = (torch.where(amax == 0, FP8_MAX, amax) / FP8_MAX).reshape(1)
         return {
             "weight": (w / s).to(torch.float8_e4m3fn),
             "weight_scale": s,
-            "input_scale": torch.tensor([CALIBRATION_FREE_INPUT_AMAX / _FP8_MAX]),
+            "input_scale": torch.tensor([CALIBRATION_FREE_INPUT_AMAX / FP8_MAX]),
         }
     n, k = w.shape
-    s2 = (amax / (FP4_MAX * _FP8_MAX)).reshape(())
-    blocks = w.view(n, k // _NVFP4_GROUP, _NVFP4_GROUP)
+    s2 = (amax / (FP4_MAX * FP8_MAX)).reshape(())
+    blocks = w.view(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
     s = blocks.abs().amax(dim=-1).float() / (FP4_MAX * s2)
     s = torch.where(s == 0, torch.ones_like(s), s)
-    s8 = s.clamp(min=2**-9, max=_FP8_MAX).to(torch.float8_e4m3fn)
+    s8 = s.clamp(min=2**-9, max=FP8_MAX).to(torch.float8_e4m3fn)
     x = (blocks / (s8.float() * s2).unsqueeze(-1)).reshape(n, k)
     code = torch.searchsorted(_E2M1_BOUNDS, x.abs().contiguous()).to(torch.uint8)
     code += ((x.abs() == 0.75) | (x.abs() == 1.75) | (x.abs() == 3.5)).to(torch.uint8)
     code |= (x < 0).to(torch.uint8) << 3
     out = {"weight": (code[:, 1::2] << 4) | code[:, 0::2], "weight_scale": s8, "weight_scale_2": s2}
     if formats.get(fmt).activation is not None:
-        out["input_scale"] = torch.tensor(CALIBRATION_FREE_INPUT_AMAX / (FP4_MAX * _FP8_MAX))
+        out["input_scale"] = torch.tensor(CALIBRATION_FREE_INPUT_AMAX / (FP4_MAX * FP8_MAX))
     return out
 
 

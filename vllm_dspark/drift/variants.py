@@ -166,28 +166,20 @@ def load_variant(
         device=device,
     )
     if name in on_the_fly_variants() and name != "bf16":
-        _quantize_inputs(drafter, name, modules, device)
+        _quantize_inputs(drafter, name, modules)
     elif Path(name).is_dir():
-        for module, (scheme, scale) in input_quantizers(name).items():
-            drafter.get_submodule(module).input_quant = (
-                scheme,
-                None if scale is None else scale.to(device),
-            )
+        drafter.quantize_inputs(input_quantizers(name))
     return drafter, source
 
 
-def _quantize_inputs(
-    drafter: ReferenceDrafter, fmt: str, modules: Sequence[str], device: str
-) -> None:
+def _quantize_inputs(drafter: ReferenceDrafter, fmt: str, modules: Sequence[str]) -> None:
     """Give an on-the-fly W8A8 / W4A4 variant's linears the input quantization its build would have:
     the format's scheme and calibration-free static scale (absorbed modules excepted, as served)."""
     quant = formats.get(fmt)
     if quant.activation is None:
         return
     (scale,) = quant.input_scales().values() or (None,)
-    for module in modules:
-        if module_kind(module) not in ABSORBED_KINDS:
-            drafter.get_submodule(module).input_quant = (
-                quant.activation,
-                None if scale is None else scale.float().reshape(()).to(device),
-            )
+    scale = None if scale is None else scale.float().reshape(())
+    drafter.quantize_inputs(
+        {m: (quant.activation, scale) for m in modules if module_kind(m) not in ABSORBED_KINDS}
+    )

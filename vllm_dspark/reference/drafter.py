@@ -13,6 +13,7 @@ Weights stored narrower than ``compute_dtype`` are upcast per use (exact for BF1
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -374,12 +375,16 @@ class ReferenceDrafter(nn.Module):
             compute_dtype=compute_dtype,
             device=device,
         )
-        for module, (scheme, scale) in input_quantizers(model_dir).items():
-            model.get_submodule(module).input_quant = (
-                scheme,
-                None if scale is None else scale.to(device),
-            )
+        model.quantize_inputs(input_quantizers(model_dir))
         return model
+
+    def quantize_inputs(
+        self, quantizers: Mapping[str, tuple[ActScheme, torch.Tensor | None]]
+    ) -> None:
+        """Give each named linear its input quantization ``(scheme, static scale or None)``, as served."""
+        for module, (scheme, scale) in quantizers.items():
+            linear = self.get_submodule(module)
+            linear.input_quant = (scheme, None if scale is None else scale.to(linear.weight.device))
 
     # ----- the hooks vLLM's speculator calls, as pure tensor functions -----
 

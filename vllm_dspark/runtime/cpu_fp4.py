@@ -15,28 +15,21 @@ import torch
 from vllm.model_executor.kernels.linear.mxfp4.base import MxFp4LinearKernel, MxFp4LinearLayerConfig
 from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearKernel, NvFp4LinearLayerConfig
 from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Dynamic
-from vllm.model_executor.layers.utils import cpu_unquantized_gemm, dispatch_cpu_unquantized_gemm
-from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
 from vllm_dspark.compat import add_cpu_fp4_kernels
 from vllm_dspark.ops.act_quant import ActScheme
 from vllm_dspark.ops.fp4 import dequantize_mxfp4, dequantize_nvfp4
+from vllm_dspark.runtime.cpu_fp8 import as_unquantized, cpu_only, dequantized_gemm
 
-_SCALES = ("weight_scale", "weight_global_scale", "input_global_scale", "input_global_scale_inv")
-
-
-def _cpu_only() -> tuple[bool, str | None]:
-    return (True, None) if current_platform.is_cpu() else (False, "requires the CPU platform")
-
-
-def _as_unquantized(layer: torch.nn.Module, weight: torch.Tensor) -> None:
-    """``weight`` (float32 [N, K]) in the model dtype (the loader's default) on vLLM's CPU GEMM."""
-    replace_parameter(layer, "weight", weight.to(torch.get_default_dtype()).contiguous())
-    for name in (*_SCALES, "alpha"):
-        if hasattr(layer, name):
-            delattr(layer, name)
-    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+# What the FP4 schemes leave on a layer besides the weight, all folded into it at load.
+_SCALES = (
+    "weight_scale",
+    "weight_global_scale",
+    "input_global_scale",
+    "input_global_scale_inv",
+    "alpha",
+)
 
 
 class CPUDequantNvFp4LinearKernel(NvFp4LinearKernel):
@@ -44,7 +37,7 @@ class CPUDequantNvFp4LinearKernel(NvFp4LinearKernel):
 
     @classmethod
     def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
-        return _cpu_only()
+        return cpu_only()
 
     @classmethod
     def can_implement(cls, config: NvFp4LinearLayerConfig) -> tuple[bool, str | None]:
@@ -58,15 +51,13 @@ class CPUDequantNvFp4LinearKernel(NvFp4LinearKernel):
             None if scale is None else (ActScheme("nvfp4"), scale.detach().float().reshape(()))
         )
         weight = dequantize_nvfp4(layer.weight, layer.weight_scale, layer.weight_global_scale)
-        _as_unquantized(layer, weight)
+        # The model dtype: the loader's default while it finalises layers.
+        as_unquantized(layer, weight.to(torch.get_default_dtype()), _SCALES)
 
     def apply_weights(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if layer.dspark_input_quant is not None:
-            scheme, scale = layer.dspark_input_quant
-            x = scheme(x, scale)
-        return cpu_unquantized_gemm(layer, x, layer.weight, bias)
+        return dequantized_gemm(layer, x, bias)
 
 
 class CPUDequantMxFp4LinearKernel(MxFp4LinearKernel):
@@ -74,7 +65,7 @@ class CPUDequantMxFp4LinearKernel(MxFp4LinearKernel):
 
     @classmethod
     def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
-        return _cpu_only()
+        return cpu_only()
 
     @classmethod
     def can_implement(cls, config: MxFp4LinearLayerConfig) -> tuple[bool, str | None]:
@@ -85,12 +76,13 @@ class CPUDequantMxFp4LinearKernel(MxFp4LinearKernel):
         return True, None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        _as_unquantized(layer, dequantize_mxfp4(layer.weight, layer.weight_scale))
+        weight = dequantize_mxfp4(layer.weight, layer.weight_scale)
+        as_unquantized(layer, weight.to(torch.get_default_dtype()), _SCALES)
 
     def apply_weights(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return cpu_unquantized_gemm(layer, x, layer.weight, bias)
+        return dequantized_gemm(layer, x, bias)
 
 
 def install() -> None:

@@ -41,14 +41,37 @@ _INPUT_SCHEMES = {
 }
 
 
+def cpu_only() -> tuple[bool, str | None]:
+    """A CPU kernel's ``is_supported``: the CPU platform only."""
+    return (True, None) if current_platform.is_cpu() else (False, "requires the CPU platform")
+
+
+def as_unquantized(layer: torch.nn.Module, weight: torch.Tensor, drop: tuple[str, ...]) -> None:
+    """``weight`` (dequantized, in the model dtype) on vLLM's CPU GEMM dispatch, the ``drop`` scales gone."""
+    replace_parameter(layer, "weight", weight.contiguous())
+    for name in drop:
+        if hasattr(layer, name):
+            delattr(layer, name)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+
+
+def dequantized_gemm(
+    layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The GEMM on the dequantized weight, the input first quantized as ``layer.dspark_input_quant`` says."""
+    quant = getattr(layer, "dspark_input_quant", None)
+    if quant is not None:
+        scheme, scale = quant
+        x = scheme(x, scale)
+    return cpu_unquantized_gemm(layer, x, layer.weight, bias)
+
+
 class CPUDequantFP8W8A16LinearKernel(FP8ScaledMMLinearKernel):
     """FP8 weight-only linear on CPU: dequantize at load, then an unquantized GEMM."""
 
     @classmethod
     def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
-        if not current_platform.is_cpu():
-            return False, "requires the CPU platform"
-        return True, None
+        return cpu_only()
 
     @classmethod
     def can_implement(cls, c: FP8ScaledMMLinearLayerConfig) -> tuple[bool, str | None]:
@@ -64,18 +87,13 @@ class CPUDequantFP8W8A16LinearKernel(FP8ScaledMMLinearKernel):
         return layer.weight.t().to(torch.float32) * layer.weight_scale.view(-1, 1).to(torch.float32)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        replace_parameter(
-            layer, "weight", self._dequantized(layer).to(self.config.out_dtype).contiguous()
-        )
-        for name in ("weight_scale", "input_scale", "input_scale_ub"):
-            if hasattr(layer, name):
-                delattr(layer, name)
-        dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        weight = self._dequantized(layer).to(self.config.out_dtype)
+        as_unquantized(layer, weight, ("weight_scale", "input_scale", "input_scale_ub"))
 
     def apply_weights(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return cpu_unquantized_gemm(layer, x, layer.weight, bias)
+        return dequantized_gemm(layer, x, bias)
 
     def apply_scaled_mm(self, **kwargs) -> torch.Tensor:
         raise NotImplementedError(
@@ -100,12 +118,6 @@ class CPUDequantFP8W8A8LinearKernel(CPUDequantFP8W8A16LinearKernel):
             None if scale is None else scale.detach().float().reshape(()).clone(),
         )
         super().process_weights_after_loading(layer)
-
-    def apply_weights(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        scheme, scale = layer.dspark_input_quant
-        return super().apply_weights(layer, scheme(x, scale), bias)
 
 
 class CPUDequantFP8BlockLinearKernel(CPUDequantFP8W8A8LinearKernel):
