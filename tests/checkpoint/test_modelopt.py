@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """ModelOpt's encoding (:mod:`vllm_dspark.checkpoint.modelopt`) against ModelOpt's own export.
 
-tests/data/modelopt holds ModelOpt 0.47's drafter quantizer output for a few bf16 weights (its
-``make.py`` regenerates it with ModelOpt): the plugin's math must reproduce every byte, and its
+tests/data/modelopt holds ModelOpt 0.47's drafter quantizer output for a few bf16 weights, and the
+digests of its export of the whole ``small`` preset (its ``make.py`` regenerates both with ModelOpt):
+the plugin's math and ``vllm-dspark quantize --export modelopt`` must reproduce every byte, and its
 dequantization must equal vLLM's NVFP4 emulation on the same bytes.
 """
 
@@ -15,7 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.support.checkpoints import tensor_digest
 from vllm_dspark.checkpoint import modelopt
+from vllm_dspark.checkpoint.layout import MODULE_SETS
+from vllm_dspark.checkpoint.quant_plan import resolve
+from vllm_dspark.checkpoint.store import read_checkpoint
+from vllm_dspark.checkpoint_tools.make_random import make_random
+from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 
 DATA = Path(__file__).parents[1] / "data" / "modelopt"
 QFORMATS = {"fp8": "fp8-static", "fp8_pc_pt": "fp8-dynamic", "nvfp4": "nvfp4-w4a4"}
@@ -44,6 +51,40 @@ def test_quantize_reproduces_modelopts_export_byte_for_byte(qformat: str, fmt: s
         assert modelopt.tensor_specs(fmt, shape).keys() == theirs.keys()
         for suffix, spec in modelopt.tensor_specs(fmt, shape).items():
             assert (spec.dtype, spec.shape) == (theirs[suffix].dtype, tuple(theirs[suffix].shape))
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``small`` preset as make.py gave it to ModelOpt."""
+    return make_random(tmp_path_factory.mktemp("small") / "small", "small", seed=0, progress=False)
+
+
+@pytest.mark.parametrize(("qformat", "fmt"), QFORMATS.items())
+def test_export_of_small_is_modelopts_byte_for_byte(
+    small: Path, tmp_path: Path, qformat: str, fmt: str
+) -> None:
+    """ModelOpt's module set on ``small``, against ModelOpt's own export of it (small.json: with its
+    fused-layer scale sharing applied to the layers vLLM fuses)."""
+    theirs = json.loads((DATA / "small.json").read_text())[qformat]
+    out = tmp_path / fmt
+    quantize_checkpoint(small, out, fmt, MODULE_SETS["modelopt"], progress=False, export="modelopt")
+    ours = {
+        key: tensor_digest(tensor)
+        for shard in sorted(out.glob("*.safetensors"))
+        for key, tensor in load_file(shard).items()
+    }
+    assert ours == theirs["tensors"]
+    written = json.loads((out / modelopt.HF_QUANT_CONFIG).read_text())
+    assert written["producer"] == theirs["hf_quant_config"]["producer"]
+    exclude = "exclude_modules"
+    their_quantization = theirs["hf_quant_config"]["quantization"]
+    assert {k: v for k, v in written["quantization"].items() if k != exclude} == {
+        k: v for k, v in their_quantization.items() if k != exclude
+    }
+    # ModelOpt's excludes (globs) and ours (exact names) leave the same modules BF16.
+    build = read_checkpoint(out)
+    dtypes = {key: t.dtype for key, t in build.stored.items()}
+    assert resolve(build.config, theirs["hf_quant_config"], dtypes).modules == build.plan().modules
 
 
 @pytest.mark.parametrize(("qformat", "fmt"), QFORMATS.items())

@@ -8,6 +8,7 @@ hook inside vLLM's ``EngineArgs``) and vLLM's dspark loader must agree on every 
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -278,7 +279,10 @@ def test_the_quantizers_own_encoding_is_served_as_is(tiny_fp8) -> None:
     ("entry", "rewrite"),
     [
         ("*.mlp.down_proj", r"re:.*\.mlp\.down_proj$"),
-        (r"re:mlp\.down_proj$", r"re:.*mlp\.down_proj$"),
+        ("layers.?.mlp.down_proj", r"re:layers\..\.mlp\.down_proj$"),
+        ("layers.[!9].mlp.down_[p-p]roj", r"re:layers\.[^9]\.mlp\.down_[p-p]roj$"),
+        (r"re:mlp\.down_proj$", r"re:.*(?:mlp\.down_proj$)"),
+        (r"re:nothing|mlp\.down_proj$", r"re:.*(?:nothing|mlp\.down_proj$)"),
         ("down_proj", r"re:(.*\.)?down_proj$"),
     ],
 )
@@ -288,8 +292,8 @@ def test_globs_unanchored_regexes_and_suffixes_are_served_with_their_rewrite(
     config, qc, recipe = tiny_fp8
     targets = [t for t in qc["config_groups"]["group_0"]["targets"] if "down_proj" not in t]
     plan = quant_plan.resolve(config, _with_targets(qc, [*targets, entry]), _dtypes(config, recipe))
-    assert plan.modules == recipe
-    assert f"{json.dumps(entry)} -> {json.dumps(rewrite)}" in plan.warning.fix
+    assert plan.modules == recipe and plan.encoding == "compressed-tensors"
+    assert plan.warning.fix == f"rewrite them: {json.dumps(entry)} -> {json.dumps(rewrite)}"
     # The rewrite is read by compressed-tensors' rules as meant: no warning any more.
     assert (
         quant_plan.resolve(
@@ -311,6 +315,14 @@ def test_fused_layer_names_match_their_checkpoint_modules(tiny_fp8) -> None:
     plan = quant_plan.resolve(
         config, _with_targets(qc, targets, ["re:.*norm$"]), _dtypes(config, recipe)
     )
+    assert plan.modules == recipe
+    # Each fused layer by its exact name, at checkpoint and at runtime layer numbers.
+    exact = [t for t in targets if "gate_up" not in t]
+    exact += [
+        "layers.0.mlp.gate_up_proj",
+        f"layers.{config.target_num_hidden_layers + 1}.mlp.gate_up_proj",
+    ]
+    plan = quant_plan.resolve(config, _with_targets(qc, exact, []), _dtypes(config, recipe))
     assert plan.modules == recipe
     # context_kv_proj names every layer's kv_a_proj_with_mqa, which is stored BF16: a conflict.
     with pytest.raises(
@@ -367,6 +379,160 @@ def test_format_and_missing_config_conflicts(tiny_fp8) -> None:
     assert quant_plan.resolve(config, None, _dtypes(config, {})).modules == {}
 
 
+def _refusal(config, qc, dtypes) -> Finding:
+    with pytest.raises(quant_plan.QuantPlanError) as e:
+        quant_plan.resolve(config, qc, dtypes)
+    return e.value.finding
+
+
+def _without(dtypes: dict[str, str], *modules: str) -> dict[str, str]:
+    return {k: v for k, v in dtypes.items() if k.rpartition(".")[0] not in modules}
+
+
+def test_modules_without_tensors_or_in_no_format_are_left_to_the_tensor_checks(tiny_fp8) -> None:
+    """A module with no tensors, or tensors of no format, is neither BF16 nor quantized here:
+    ``check``'s tensor list names it (the plan must not turn it into a config conflict)."""
+    config, qc, recipe = tiny_fp8
+    missing = ("layers.0.mlp.down_proj", "layers.0.mlp.up_proj", "layers.0.input_layernorm")
+    dtypes = _without(_dtypes(config, recipe), *missing)
+    dtypes |= {"layers.1.mlp.down_proj.weight": "I8"}  # not F8: no format, not BF16
+    dtypes |= {"layers.1.mlp.up_proj.weight": "BF16", "layers.1.mlp.up_proj.weight_packed": "I32"}
+    del dtypes["layers.1.mlp.up_proj.weight_scale"]
+    plan = quant_plan.resolve(config, qc, dtypes)
+    unknown = {*missing, "layers.1.mlp.down_proj", "layers.1.mlp.up_proj"}
+    assert plan.modules == {m: f for m, f in recipe.items() if m not in unknown}
+    assert plan.encoding == "compressed-tensors" and plan.warning is None
+
+
+def test_split_fused_layers_name_why(tiny_fp8) -> None:
+    config, qc, _ = tiny_fp8
+    gate = _refusal(
+        config,
+        _with_targets(qc, ["Linear"], []),
+        _dtypes(config, {"layers.0.mlp.gate_proj": "fp8"}),
+    )
+    assert gate.problem == (
+        "the shards store layers.0.mlp.gate_proj as fp8, layers.0.mlp.up_proj as BF16, but vLLM "
+        "fuses them into one layer, which takes one scheme"
+    )
+    stored = {"layers.0.self_attn.q_a_proj": "fp8", "layers.0.self_attn.kv_a_proj_with_mqa": "fp8"}
+    qkv_a = _refusal(config, _with_targets(qc, ["Linear"], []), _dtypes(config, stored))
+    assert qkv_a.problem.endswith(
+        "one scheme (context_kv_proj stacks every layer's kv_a_proj_with_mqa)"
+    )
+
+
+def test_disagreements_name_the_first_module_and_count_the_rest(tiny_fp8) -> None:
+    config, qc, recipe = tiny_fp8
+    targets = qc["config_groups"]["group_0"]["targets"]
+    no_context = _with_targets(qc, [t for t in targets if "context_proj" not in t])
+    one = _refusal(config, no_context, _dtypes(config, recipe))
+    assert one.problem == (
+        "quantization_config and the stored tensors disagree: context_proj is stored as fp8, but "
+        "quantization_config leaves it unquantized (no target matches it)"
+    )
+    assert one.fix.startswith("use the config.json written with these shards")
+    no_down = [t for t in targets if "context_proj" not in t and "down_proj" not in t]
+    three = _refusal(config, _with_targets(qc, no_down), _dtypes(config, recipe))
+    assert three.problem.endswith(
+        "leaves it unquantized (no target matches it) (and 2 more module(s))"
+    )
+    two = _refusal(
+        config, _with_targets(qc, [*no_down, "layers.1.mlp.down_proj"]), _dtypes(config, recipe)
+    )
+    assert two.problem.endswith("(and 1 more module(s))")
+
+
+@pytest.mark.parametrize("entry", [r"re:^nothing|mlp\.down_proj$", r"re:.*nothing|mlp\.down_proj$"])
+def test_anchored_regexes_are_meant_literally(tiny_fp8, entry: str) -> None:
+    """A dead ``re:`` entry that starts with ``^`` or ``.*`` was anchored on purpose: refused, not reread."""
+    config, qc, recipe = tiny_fp8
+    targets = [t for t in qc["config_groups"]["group_0"]["targets"] if "down_proj" not in t]
+    finding = _refusal(config, _with_targets(qc, [*targets, entry]), _dtypes(config, recipe))
+    assert "layers.0.mlp.down_proj is stored as fp8" in finding.problem
+
+
+def test_lenient_readings_list_only_the_entries_they_use(tiny_fp8) -> None:
+    """Runtime layer numbers count: an exact runtime name is live, a glob over runtime names is used."""
+    config, qc, recipe = tiny_fp8
+    first, second = config.target_num_hidden_layers, config.target_num_hidden_layers + 1
+    targets = [t for t in qc["config_groups"]["group_0"]["targets"] if "down_proj" not in t]
+    targets += [
+        f"layers.{first}.mlp.down_proj",
+        f"layers.[{second}].mlp.down_proj",
+        "*.no_such_proj",
+    ]
+    dtypes = {**_dtypes(config, recipe), "lm_head.weight": "BF16"}
+    plan = quant_plan.resolve(config, _with_targets(qc, targets), dtypes)
+    assert plan.modules == recipe and plan.stray == ("lm_head.weight",)
+    assert plan.warning.fix == (
+        f'rewrite them: "layers.[{second}].mlp.down_proj" -> "re:layers\\\\.[{second}]\\\\.mlp\\\\.down_proj$"'
+    )
+    both = [t for t in targets if t.startswith("re:")] + ["*.mlp.down_proj", "down_proj"]
+    plan = quant_plan.resolve(config, _with_targets(qc, both), dtypes)
+    assert plan.warning.fix == (
+        'rewrite them: "*.mlp.down_proj" -> "re:.*\\\\.mlp\\\\.down_proj$", '
+        '"down_proj" -> "re:(.*\\\\.)?down_proj$"'
+    )
+
+
+def test_stray_tensors_are_kept_aside_on_every_path(tiny_fp8) -> None:
+    config, qc, recipe = tiny_fp8
+    stray = {"lm_head.weight": "BF16"}
+    assert quant_plan.resolve(config, None, {**_dtypes(config, {}), **stray}).stray == tuple(stray)
+    assert quant_plan.resolve(config, qc, {**_dtypes(config, recipe), **stray}).stray == tuple(
+        stray
+    )
+
+
+def test_is_stray_is_the_lm_head_and_a_disabled_confidence_head(tiny_fp8) -> None:
+    config, _, _ = tiny_fp8
+    assert config.enable_confidence_head
+    disabled = copy.deepcopy(config)
+    disabled.enable_confidence_head = False
+    for cfg in (config, disabled):
+        assert quant_plan.is_stray("lm_head.weight", cfg)
+        assert not quant_plan.is_stray("layers.0.mlp.up_proj.weight", cfg)
+    assert not quant_plan.is_stray("confidence_head.proj.weight", config)
+    assert quant_plan.is_stray("confidence_head.proj.weight", disabled)
+
+
+def test_a_config_without_the_targets_depth_reads_checkpoint_names(tiny_fp8) -> None:
+    from vllm_dspark.config import K3DSparkConfig
+
+    config, qc, recipe = tiny_fp8
+    fields = {k: v for k, v in config.to_dict().items() if k != "target_num_hidden_layers"}
+    shallow = K3DSparkConfig.from_dict(fields)
+    assert not hasattr(shallow, "target_num_hidden_layers")
+    assert quant_plan.resolve(shallow, qc, _dtypes(config, recipe)).modules == recipe
+    assert quant_plan.declared(shallow, qc) == recipe
+
+
+def test_declared_reads_the_config_alone(tiny_fp8) -> None:
+    config, qc, recipe = tiny_fp8
+    assert quant_plan.declared(config, qc) == recipe
+    runtime = [f"layers.{config.target_num_hidden_layers}.mlp.down_proj"]
+    assert quant_plan.declared(config, _with_targets(qc, runtime, [])) == {
+        "layers.0.mlp.down_proj": "fp8"
+    }
+
+
+def test_fused_scale_conflicts_name_each_differing_fused_layer() -> None:
+    scales = {
+        "layers.0.mlp.gate_proj": 1.0,
+        "layers.0.mlp.up_proj": 2.5,
+        "layers.1.mlp.gate_proj": 3.0,
+        "layers.1.mlp.up_proj": 3.0,
+    }
+    (finding,) = quant_plan.fused_scale_conflicts(scales, "weight_scale_2")
+    assert finding.where == "layers.0.mlp.gate_up_proj"
+    assert finding.problem == (
+        "NVFP4 weight_scale_2 differs across the fused modules (layers.0.mlp.gate_proj=1, "
+        "layers.0.mlp.up_proj=2.5), but vLLM applies one global scale to the fused layer (without "
+        "rescaling the block scales)"
+    )
+
+
 def test_normalized_config_names_runtime_modules(tiny_fp8) -> None:
     config, qc, recipe = tiny_fp8
     plan = quant_plan.resolve(config, qc, _dtypes(config, recipe))
@@ -375,6 +541,10 @@ def test_normalized_config_names_runtime_modules(tiny_fp8) -> None:
     specs = [s for s in checkpoint_modules(config) if s.name in recipe]
     assert group["targets"] == [runtime_name(s, 93) for s in specs] and normalized["ignore"] == []
     assert "model.layers.94.mlp.up_proj" in group["targets"]
+    drafted = quant_plan.vllm_quantization_config(plan, config, start_layer_id=93, prefix="draft")
+    assert next(iter(drafted["config_groups"].values()))["targets"] == [
+        runtime_name(s, 93, "draft") for s in specs
+    ]
     assert (
         quant_plan.vllm_quantization_config(quant_plan.QuantPlan(), config, start_layer_id=93)
         is None

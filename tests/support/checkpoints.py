@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Editing a test checkpoint's config.json, in place or in a copy whose weights are linked."""
+"""Editing a test checkpoint's config.json, in place or in a copy whose weights are linked; tensor digests."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 DROP = object()  # a change that removes the key
 
@@ -38,3 +41,9 @@ def variant(
             (dest / path.name).symlink_to(path.resolve(), target_is_directory=path.is_dir())
     (dest / "config.json").write_text((source / "config.json").read_text())
     return edit_config(dest, edit, **changes)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """A tensor's dtype, shape and the sha256 of its bytes, in one string."""
+    raw = t.contiguous().reshape(-1).view(dtype=torch.uint8).numpy().tobytes()
+    return f"{t.dtype} {list(t.shape)} {hashlib.sha256(raw).hexdigest()}"

@@ -169,3 +169,40 @@ def test_the_kv_balanced_backends_mla_dimensions_are_vllms() -> None:
     source = (folder / "backend.py").read_text() + (folder / "decode.py").read_text()
     nope, rope, v, latent = rule.mla_dims
     assert f"NOPE, V = {nope}, {v}" in source and f"LATENT, ROPE = {latent}, {rope}" in source
+
+
+def test_the_formats_oldest_gpus_are_vllms() -> None:
+    """``cuda_kernels`` and ModelOpt's ``MIN_CAPABILITY``: the compute capabilities vLLM's schemes and
+    configs declare (the kernels' own gates above them are compiled, cited where they are stated)."""
+    from vllm.model_executor.layers.quantization.compressed_tensors import schemes
+    from vllm.model_executor.layers.quantization.modelopt import (
+        ModelOptFp8Config,
+        ModelOptNvFp4Config,
+    )
+
+    from vllm_dspark.checkpoint import formats, modelopt
+
+    oldest = {
+        "fp8": schemes.CompressedTensorsW8A16Fp8,  # and what W8A8 falls back to below sm_89
+        "fp8-dynamic": schemes.CompressedTensorsW8A16Fp8,
+        "fp8-static": schemes.CompressedTensorsW8A16Fp8,
+        "fp8-block": schemes.CompressedTensorsW8A16Fp8,
+        "mxfp4": schemes.CompressedTensorsW4A4Mxfp4,
+        "nvfp4": schemes.CompressedTensorsW4A4Fp4,  # use_a16=True
+        "nvfp4-w4a4": schemes.CompressedTensorsW4A4Fp4,
+    }
+    assert set(oldest) == set(formats.names())
+    for name, scheme in oldest.items():
+        assert formats.get(name).cuda_kernels[0][0] == scheme.get_min_capability(), name
+    # W8A8 FP8 is computed as built from the W8A8 scheme's own minimum (per tensor, per token).
+    w8a8 = schemes.CompressedTensorsW8A8Fp8.get_min_capability()
+    for name in ("fp8-dynamic", "fp8-static"):
+        assert dict(formats.get(name).cuda_kernels)[w8a8] is None
+    assert modelopt.MIN_CAPABILITY == {
+        algo: config.get_min_capability()
+        for config, algos in (
+            (ModelOptFp8Config, ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")),
+            (ModelOptNvFp4Config, ("NVFP4", "W4A16_NVFP4")),
+        )
+        for algo in algos
+    }

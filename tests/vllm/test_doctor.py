@@ -887,3 +887,116 @@ def test_hook_and_latency_specialized_on_the_installed_vllm(
     else:
         sc = build_spec_config(args)
         assert sc.draft_model_config.architectures == ["K3DSparkModel"]
+
+
+# ----- quantized layers on the serving GPU -----
+
+
+def _quantization(quantization_config: dict[str, Any]) -> dict[str, Any]:
+    return {**preset_config_json("tiny"), "quantization_config": quantization_config}
+
+
+MODELOPT_FP8 = {"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+MODELOPT_NVFP4 = {"quant_method": "modelopt_fp4", "quant_algo": "NVFP4", "group_size": 16}
+T4 = MachineFacts("cuda", (7, 5), "Tesla T4")
+A100 = MachineFacts("cuda", (8, 0), "NVIDIA A100")
+
+
+@pytest.mark.parametrize(
+    ("quantization_config", "machine", "expected"),
+    [
+        # vLLM declares ModelOpt FP8 from sm_80: no kernel on a T4, weight-only on an A100.
+        (MODELOPT_FP8, MachineFacts("cuda", (7, 0), "V100"), "error"),
+        (MODELOPT_FP8, T4, "error"),
+        (MODELOPT_FP8, A100, "warning"),
+        (MODELOPT_FP8, MachineFacts("cuda", (8, 9), "L40S"), None),
+        # NVFP4 W4A4: Marlin weight-only, then FP8 inputs on Hopper, NVFP4 GEMMs on Blackwell.
+        (MODELOPT_NVFP4, T4, "warning"),
+        (MODELOPT_NVFP4, H200, "warning"),
+        (MODELOPT_NVFP4, GB300, None),
+        # Weight-only NVFP4 runs as built from sm_75 up; ROCm and CPU are not judged here.
+        ({**MODELOPT_NVFP4, "quant_algo": "W4A16_NVFP4"}, T4, None),
+        (MODELOPT_FP8, MachineFacts("rocm", (9, 4), "MI300X"), None),
+        (MODELOPT_FP8, NO_GPU, None),
+    ],
+)
+def test_quantized_layers_are_judged_against_the_serving_gpu(
+    quantization_config, machine, expected
+) -> None:
+    findings = checks.check_quantized_layers_on_gpu(_quantization(quantization_config), machine)
+    assert [f.severity for f in findings] == ([expected] if expected else [])
+    if expected == "error":
+        (f,) = findings
+        assert (
+            f.where == "quantization"
+            and "no kernel for the drafter's fp8-static layers" in f.problem
+        )
+        assert "compute capability 8.0 or newer" in f.problem and "serve the BF16 drafter" in f.fix
+    if expected == "warning":
+        assert "not as built" in findings[0].problem and "vllm-dspark accept" in findings[0].fix
+
+
+def test_compressed_tensors_formats_each_get_their_own_finding() -> None:
+    """A config group per format: each format the config names is judged on its own."""
+    from vllm_dspark.checkpoint import quant_config
+
+    qc = quant_config.compressed_tensors_config(
+        {"fp8": ["model.layers.8.mlp.down_proj"], "mxfp4": ["model.layers.8.mlp.gate_up_proj"]},
+        ignore=[],
+    )
+    (finding,) = checks.check_quantized_layers_on_gpu(_quantization(qc), T4)
+    assert "mxfp4 layers (compressed-tensors)" in finding.problem
+    assert "compute capability 8.0" in finding.problem and finding.fix.endswith("/ nvfp4-w4a4")
+    assert checks.check_quantized_layers_on_gpu(_quantization(qc), A100) == []
+    fp8_block = quant_config.compressed_tensors_config(
+        {"fp8-block": ["model.layers.8.mlp.down_proj"]}, ignore=[]
+    )
+    (finding,) = checks.check_quantized_layers_on_gpu(
+        _quantization(fp8_block), MachineFacts("cuda", (8, 9), "L40S")
+    )
+    assert finding.severity == "warning" and "fp8-block layers weight-only" in finding.problem
+
+
+@pytest.fixture(scope="module")
+def modelopt_fp8_dir(drafter_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ModelOpt FP8 build whose quantization config is only in hf_quant_config.json."""
+    from vllm_dspark.checkpoint.layout import MODULE_SETS
+    from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
+
+    out = tmp_path_factory.mktemp("doctor-modelopt") / "tiny-modelopt-fp8"
+    quantize_checkpoint(
+        drafter_dir, out, "fp8-static", MODULE_SETS["modelopt"], progress=False, export="modelopt"
+    )
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("capability", "rc", "needle"), [("7.5", 1, "ERROR"), ("8.0", 0, "WARNING"), ("9.0", 0, None)]
+)
+def test_cli_judges_a_modelopt_build_against_the_named_gpu(
+    capsys, modelopt_fp8_dir, capability, rc, needle
+) -> None:
+    config = spec(model=str(modelopt_fp8_dir), attention_backend="TRITON_MLA")
+    code, out = run_cli(capsys, "-sc", json.dumps(config), "--compute-capability", capability)
+    assert code == rc, out
+    lines = [line for line in out.splitlines() if "quantization:" in line]
+    assert [line.split()[0] for line in lines] == ([needle] if needle else []), out
+
+
+@pytest.mark.vllm_api
+def test_hook_refuses_a_build_the_gpu_has_no_kernel_for_before_the_target_loads(
+    monkeypatch, tiny_mla_target, modelopt_fp8_dir
+) -> None:
+    """Inside vLLM's EngineArgs, on a T4 (the machine fact stands in for the GPU this CPU lacks)."""
+    monkeypatch.setenv(serve.DISABLE_ENV, "1")
+    monkeypatch.setattr(serve, "serving_machine", lambda: T4)
+    args = engine_args(
+        tiny_mla_target, spec(model=str(modelopt_fp8_dir), attention_backend="TRITON_MLA")
+    )
+    with pytest.raises(ValueError, match="no kernel for the drafter's fp8-static layers"):
+        build_spec_config(args)
+    monkeypatch.setattr(serve, "serving_machine", lambda: H200)
+    assert build_spec_config(args).draft_model_config.architectures == ["K3DSparkModel"]

@@ -86,6 +86,10 @@ class QuantFormat:
     activation: ActScheme | None = None  # how vLLM quantizes the input; None: weight-only (W*A16)
     input_args: dict[str, Any] | None = None  # the preset's input activation args, as data
     modelopt_algo: str | None = None  # ModelOpt's quant_algo for the same numerics, if it has one
+    # What vLLM 0.33/0.34 compute for it on NVIDIA GPUs, from each compute capability (major * 10 +
+    # minor) up: None is this format's own numerics, else how it differs. The first entry is the
+    # oldest GPU vLLM has a kernel for (the scheme's get_min_capability; tests/vllm checks it).
+    cuda_kernels: tuple[tuple[int, str | None], ...] = ((75, None),)
 
     @functools.cached_property
     def scheme(self) -> QuantizationScheme:
@@ -296,6 +300,8 @@ class FP8Dynamic(FP8):
     activation = ActScheme("fp8_token")
     input_args = {**_FP8_INPUTS, "strategy": "token", "dynamic": True}
     modelopt_algo = "FP8_PER_CHANNEL_PER_TOKEN"
+    # Below sm_89 vLLM's compressed-tensors config picks its W8A16 scheme instead (no FP8 GEMM).
+    cuda_kernels = ((75, "weight-only, inputs unquantized (Marlin W8A16)"), (89, None))
 
 
 @register
@@ -318,6 +324,7 @@ class FP8Static(QuantFormat):
         "observer": "static_minmax",
     }
     modelopt_algo = "FP8"
+    cuda_kernels = FP8Dynamic.cuda_kernels
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         scalar = TensorSpec(torch.float32, (1,), also=(torch.bfloat16, torch.float16))
@@ -370,6 +377,8 @@ class FP8Block(FP8):
     strategy, block = "block", (128, 128)
     activation = ActScheme("fp8_group", 128)
     input_args = {**_FP8_INPUTS, "strategy": "group", "group_size": 128, "dynamic": True}
+    # Block kernels (CUTLASS) start at sm_90; below, vLLM's kernel list reaches Marlin first.
+    cuda_kernels = ((75, "weight-only, inputs unquantized (Marlin)"), (90, None))
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         n, k = shape
@@ -409,6 +418,13 @@ class MXFP4(_FP4):
     description = QUANT_FORMATS["mxfp4"]
     strategy, group_size = "group", 32
     scale_dtype = torch.uint8
+    # vLLM builds it with MXFP4 input keys: Marlin ignores them; Humming (sm_90) quantizes inputs to
+    # FP8; FlashInfer's CuTe-DSL kernel (sm_100+, where installed) to MXFP4.
+    cuda_kernels = (
+        (80, None),
+        (90, "with inputs quantized to FP8 per token (Humming)"),
+        (100, "with inputs quantized to MXFP4 (FlashInfer, where installed)"),
+    )
 
     def identify(self, dtypes: Mapping[str, str]) -> bool:
         return (
@@ -472,6 +488,12 @@ class NVFP4W4A4(NVFP4):
     description = QUANT_FORMATS["nvfp4-w4a4"]
     activation = ActScheme("nvfp4")
     modelopt_algo = "NVFP4"
+    # FP4 GEMMs start at sm_100; below, Humming (sm_90) takes FP8 inputs and Marlin none.
+    cuda_kernels = (
+        (75, "weight-only, inputs unquantized (Marlin)"),
+        (90, "with inputs quantized to FP8 per token, not NVFP4 (Humming)"),
+        (100, None),
+    )
     input_args = {
         "num_bits": 4,
         "type": "float",

@@ -27,6 +27,9 @@ ENCODING = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"  # where ModelOpt (and vLLM, failing config.json) reads it
 # vLLM reads hf_quant_config.json only from the producer named "modelopt"; the layout is 0.47.0's.
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}
+# vLLM's ModelOptFp8Config / ModelOptNvFp4Config.get_min_capability() (the compute capability, major *
+# 10 + minor, they declare): FP8 from sm_80, though its Marlin kernel would run on sm_75.
+MIN_CAPABILITY = {"FP8": 80, "FP8_PER_CHANNEL_PER_TOKEN": 80, "NVFP4": 75, "W4A16_NVFP4": 75}
 # Magnitudes rounding up to the next code; a tie goes down except at 0.75, 1.75 and 3.5 (ties to even).
 _E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 

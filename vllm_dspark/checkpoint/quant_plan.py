@@ -40,6 +40,9 @@ FLOAT_DTYPES = (
     "F32",
 )  # what an unquantized tensor may be stored in (the published drafter: BF16)
 _GLOB_CHARS = frozenset("*?[")
+_FNMATCH_WRAPPER = re.compile(
+    r"\(\?s:(.*)\)\\Z", re.S
+)  # fnmatch.translate's output around the regex
 _KV_A_KIND = "self_attn.kv_a_proj_with_mqa"
 
 
@@ -197,18 +200,14 @@ def _lenient(entry: str) -> tuple[str, str] | None:
     """``(regex, rewrite)``: how an entry that matches nothing was meant, or None if it was meant literally."""
     if entry.startswith("re:"):
         pattern = entry.removeprefix("re:")
-        return (
-            None if pattern.startswith(("^", ".*")) else (f".*(?:{pattern}).*", f"re:.*{pattern}")
-        )
+        anchored = pattern.startswith(("^", ".*"))
+        return None if anchored else (f".*(?:{pattern}).*", f"re:.*(?:{pattern})")
     if _GLOB_CHARS & set(entry):
-        body = re.escape(entry).replace(r"\*", ".*").replace(r"\?", ".")
-        return fnmatch.translate(entry), f"re:{body}$"
-    rewrite = (
-        kind_regex(entry)
-        if not entry.startswith(("layers.", "model."))
-        else rf"re:.*{re.escape(entry)}$"
-    )
-    return rf"(?:.*\.)?{re.escape(entry)}$", rewrite
+        regex = fnmatch.translate(entry)
+        return regex, f"re:{_FNMATCH_WRAPPER.fullmatch(regex)[1]}$"
+    # A suffix is read at any layer index (``layers.``/``model.`` names never get here: every suffix
+    # of a module name that starts so is a module name too, so such an entry is not dead).
+    return rf"(?:.*\.)?{re.escape(entry)}$", kind_regex(entry)
 
 
 @dataclass
@@ -227,7 +226,7 @@ class _Config:
             raise QuantPlanError(
                 Finding(
                     str(e),
-                    "write it as `vllm-dspark quantize` does: compressed-tensors, one weight-only "
+                    "write it as `vllm-dspark quantize` does: compressed-tensors, one "
                     "config group per registered format",
                     "quantization_config",
                 )
@@ -320,6 +319,15 @@ def _parse(quantization_config: Mapping[str, Any]) -> _Config | _ModelOptConfig:
     return _Config.parse(quantization_config)
 
 
+def config_formats(quantization_config: Mapping[str, Any]) -> tuple[str, set[str]]:
+    """``(encoding, formats)`` a quantization config names, read without its checkpoint (what vLLM
+    needs kernels for). Raises :class:`QuantPlanError` for a config no reader takes."""
+    parsed = _parse(quantization_config)
+    if isinstance(parsed, _ModelOptConfig):
+        return modelopt.ENCODING, {parsed.parsed.fmt}
+    return "compressed-tensors", {fmt for _, fmt in parsed.targets}
+
+
 def _disagreement(spec: ModuleSpec, stored: str | None, said: str | None, why: str) -> Finding:
     """The conflict between ``stored`` (:func:`_shown`) and what the config ``said``, with its fix."""
     if stored is None:
@@ -367,7 +375,7 @@ def resolve(
                     _FIX_SHARDS,
                 )
             )
-        return QuantPlan({}, stray=stray)
+        return QuantPlan(stray=stray)
 
     parsed = _parse(quantization_config)
     encoding = modelopt.ENCODING if isinstance(parsed, _ModelOptConfig) else "compressed-tensors"
@@ -384,35 +392,39 @@ def resolve(
         return {name: said[name][0] for name in quantized}, conflicts
 
     modules, strict = reading({})
-    if not strict:
-        return QuantPlan(modules, encoding=encoding, stray=stray)
-    readings = {e: r for e in parsed.dead_entries(specs, start) if (r := _lenient(e)) is not None}
-    if readings:
+    warning = None
+    if strict:
+        readings = {
+            e: r for e in parsed.dead_entries(specs, start) if (r := _lenient(e)) is not None
+        }
+        # Served as the lenient reading says, if that agrees with the tensors (none: the same conflicts).
         modules, conflicts = reading({e: regex for e, (regex, _) in readings.items()})
-        if not conflicts:
-            names = [n for s in specs for n in _names(s, start)]
-            used = {
-                e: rewrite
-                for e, (regex, rewrite) in readings.items()
-                if any(re.fullmatch(regex, n) for n in names)
-            }
-            listed = ", ".join(
-                f"{json.dumps(e)} -> {json.dumps(rewrite)}" for e, rewrite in used.items()
+        if conflicts:
+            more = f" (and {len(strict) - 1} more module(s))" if len(strict) > 1 else ""
+            raise QuantPlanError(
+                Finding(
+                    f"quantization_config and the stored tensors disagree: {strict[0].problem}{more}",
+                    strict[0].fix,
+                )
             )
-            warning = Finding(
-                "quantization_config has entries that match no module under compressed-tensors' "
-                "rules (exact module names or 're:' regexes); read as suffixes or globs they "
-                "describe the stored tensors, so the drafter is served as stored",
-                f"rewrite them: {listed}",
-                severity="warning",
-            )
-            return QuantPlan(modules, encoding=encoding, warning=warning, stray=stray)
-    more = f" (and {len(strict) - 1} more module(s))" if len(strict) > 1 else ""
-    raise QuantPlanError(
-        Finding(
-            f"quantization_config and the stored tensors disagree: {strict[0].problem}{more}",
-            strict[0].fix,
-        )
+        warning = _rewrite_warning(readings, [n for s in specs for n in _names(s, start)])
+    return QuantPlan(modules, encoding=encoding, warning=warning, stray=stray)
+
+
+def _rewrite_warning(readings: Mapping[str, tuple[str, str]], names: list[str]) -> Finding:
+    """The warning that lenient ``readings`` (``{entry: (regex, rewrite)}``) served the build, naming the
+    rewrite of each entry that matches one of ``names``."""
+    listed = ", ".join(
+        f"{json.dumps(e)} -> {json.dumps(rewrite)}"
+        for e, (regex, rewrite) in readings.items()
+        if any(re.fullmatch(regex, n) for n in names)
+    )
+    return Finding(
+        "quantization_config has entries that match no module under compressed-tensors' "
+        "rules (exact module names or 're:' regexes); read as suffixes or globs they "
+        "describe the stored tensors, so the drafter is served as stored",
+        f"rewrite them: {listed}",
+        severity="warning",
     )
 
 

@@ -695,6 +695,69 @@ def check_specialized_decode(
     ]
 
 
+def _capability(c: int) -> str:
+    return f"{c // 10}.{c % 10}"
+
+
+def check_quantized_layers_on_gpu(
+    drafter: Mapping[str, Any] | None, machine: MachineFacts | None
+) -> list[Finding]:
+    """Whether vLLM has a kernel on the serving NVIDIA GPU for every format the drafter's quantization
+    config names (else it fails after the target loads), and computes each as built there."""
+    qc = (drafter or {}).get("quantization_config")
+    if not qc or machine is None or machine.platform != "cuda" or machine.capability is None:
+        return []
+    from vllm_dspark.checkpoint import formats, modelopt, quant_plan
+
+    try:
+        encoding, names = quant_plan.config_formats(qc)
+    except FindingError:
+        return []  # the checkpoint check names the malformed config
+    major, minor = machine.capability
+    cap = major * 10 + minor
+
+    def oldest(fmt: formats.QuantFormat) -> int:
+        declared = (
+            modelopt.MIN_CAPABILITY.get(fmt.modelopt_algo, 0)
+            if encoding == modelopt.ENCODING
+            else 0
+        )
+        return max(fmt.cuda_kernels[0][0], declared)
+
+    def as_built(fmt: formats.QuantFormat) -> bool:
+        return cap >= oldest(fmt) and [w for c, w in fmt.cuda_kernels if c <= cap][-1] is None
+
+    findings = []
+    for name in sorted(names):
+        fmt = formats.get(name)
+        if cap < oldest(fmt):
+            runs = [f for f in formats.names() if cap >= formats.get(f).cuda_kernels[0][0]]
+            findings.append(
+                Finding(
+                    f"vLLM has no kernel for the drafter's {name} layers ({encoding}) on "
+                    f"{machine.describe()}: they need compute capability {_capability(oldest(fmt))} "
+                    "or newer",
+                    "serve the BF16 drafter"
+                    + (f", or quantize it to {' / '.join(runs)}" if runs else ""),
+                    "quantization",
+                )
+            )
+        elif not as_built(fmt):
+            what = [w for c, w in fmt.cuda_kernels if c <= cap][-1]
+            exact = [f for f in formats.names() if as_built(formats.get(f))]
+            findings.append(
+                Finding(
+                    f"on {machine.describe()} vLLM serves the drafter's {name} layers {what}, not as "
+                    "built, so acceptance can differ from the build's",
+                    "measure it with `vllm-dspark accept`, or serve a build vLLM computes as built "
+                    f"here ({' / '.join(exact)})",
+                    "quantization",
+                    "warning",
+                )
+            )
+    return findings
+
+
 def check_drafter_config(drafter: Mapping[str, Any]) -> list[Finding]:
     """Whether ``config.json`` builds a valid :class:`~vllm_dspark.config.K3DSparkConfig`."""
     from vllm_dspark.config import K3DSparkConfig
@@ -779,6 +842,7 @@ def diagnose(
     findings += check_attention_backend(spec, engine, schema, machine, drafter)
     findings += check_adaptive_verification(spec, engine, drafter)
     findings += check_specialized_decode(engine, drafter, schema)
+    findings += check_quantized_layers_on_gpu(drafter, machine)
     if dsa:
         findings += check_dsa_target(spec, machine)
     if drafter and target:

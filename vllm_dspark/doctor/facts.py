@@ -147,6 +147,22 @@ def read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
+def read_drafter_config(path: Path) -> dict[str, Any]:
+    """A drafter directory's config.json as vLLM reads it: ``quantization_config`` from
+    hf_quant_config.json when config.json has none (ModelOpt exports); ``ValueError`` as :func:`read_json`."""
+    from vllm_dspark.checkpoint.store import read_quantization_config
+
+    raw = read_json(path / "config.json")
+    if raw.get("quantization_config") is None:
+        try:
+            qc = read_quantization_config(path, raw)
+        except ValueError:
+            qc = None  # the checkpoint check names the broken file
+        if qc is not None:
+            raw = {**raw, "quantization_config": qc}
+    return raw
+
+
 # A Hugging Face repo id: "name" or "org/name" (letters, digits, - _ .), no path syntax.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
@@ -236,7 +252,7 @@ def load_drafter(
             ],
         )
     try:
-        return path, read_json(config_path), []
+        return path, read_drafter_config(path), []
     except ValueError as e:
         return (
             path,

@@ -18,7 +18,7 @@ from vllm_dspark.doctor.checks import (
 )
 from vllm_dspark.doctor.facts import (
     engine_facts,
-    read_json,
+    read_drafter_config,
     resolve_drafter,
     serving_machine,
     vllm_schema,
@@ -52,7 +52,7 @@ def _local_drafter(spec: Mapping[str, Any]) -> tuple[Path | None, dict[str, Any]
     if path is None or not (path / "config.json").is_file():
         return None, None
     try:
-        return path, read_json(path / "config.json")
+        return path, read_drafter_config(path)
     except ValueError:
         return None, None  # vLLM's own config loading reports it
 

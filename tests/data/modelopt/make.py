@@ -3,11 +3,16 @@
 
     pip install --target SITE nvidia-modelopt==0.47.0 --no-deps
     pip install --target SITE omegaconf antlr4-python3-runtime==4.9.3 pulp scipy nvidia-ml-py
-    PYTHONPATH=SITE python tests/data/modelopt/make.py QUANTIZE_DRAFTER_PY
+    PYTHONPATH=SITE:. python tests/data/modelopt/make.py QUANTIZE_DRAFTER_PY
 
 QUANTIZE_DRAFTER_PY is examples/speculative_decoding/scripts/quantize_drafter.py from
 NVIDIA/Model-Optimizer PR #2027. It runs on CPU. source.safetensors holds a few bf16 weights shaped like
 a drafter's; each <qformat>.safetensors is ModelOpt's export of them, read by tests/checkpoint/test_modelopt.py.
+
+small.json is ModelOpt's export of the whole ``small`` preset (``make_random(..., "small", seed=0)``), per
+qformat: its hf_quant_config and each tensor's dtype, shape and sha256 (``tensor_digest``). The drafter quantizer's steps run
+one by one, with ModelOpt's own fused-layer preprocessing (``preprocess_linear_fusion``, what its unified
+HF export applies to qkv and gate_up) over the layers vLLM fuses, whose shards share one scale.
 """
 
 import importlib.util
@@ -62,6 +67,40 @@ def main(script: str) -> None:
         )
         config = json.loads((out / "config.json").read_text())["quantization_config"]
         (HERE / f"{qformat}.json").write_text(json.dumps(config, indent=1) + "\n")
+    _small(qd)
+
+
+def _small(qd) -> None:
+    from modelopt.torch.export.quant_utils import preprocess_linear_fusion
+    from modelopt.torch.quantization import quantize
+
+    from tests.support.checkpoints import tensor_digest
+    from vllm_dspark.checkpoint.layout import fused_module_groups
+    from vllm_dspark.checkpoint_tools.make_random import make_random
+
+    drafter = Path(tempfile.mkdtemp()) / "small"
+    make_random(drafter, "small", seed=0, progress=False)
+    _, state_dict = qd.load_drafter(str(drafter))
+    found = {}
+    for qformat in ("fp8", "fp8_pc_pt", "nvfp4", "w4a16_nvfp4"):
+        root = qd.build_linear_view(state_dict, torch.bfloat16)
+        quant_cfg = qd.build_quant_cfg(qformat, [], False)
+        quantize(root, quant_cfg)
+        qd.resolve_activation_scales(root, quant_cfg)
+        linears = dict(root.named_modules())
+        quantized = [
+            n
+            for n, m in linears.items()
+            if qd.is_quantized_linear(m) and m.weight_quantizer.is_enabled
+        ]
+        for members in fused_module_groups(quantized).values():
+            preprocess_linear_fusion([linears[n] for n in members])
+        exported = qd.export_quantized_state_dict(root, state_dict, torch.bfloat16)
+        found[qformat] = {
+            "hf_quant_config": qd.get_quant_config(root),
+            "tensors": {k: tensor_digest(v) for k, v in sorted(exported.items())},
+        }
+    (HERE / "small.json").write_text(json.dumps(found, indent=1) + "\n")
 
 
 if __name__ == "__main__":
