@@ -128,13 +128,19 @@ def meets(result: dict[str, Any], limit: float) -> bool:
     return result["ratio"]["max"] <= limit
 
 
-def timed(fn: Callable[[], Any]) -> Callable[[], Measurement]:
-    """``fn`` as a step: each call runs it once in this process and returns its wall seconds."""
+def timed(fn: Callable[[], Any], min_seconds: float = 0.0) -> Callable[[], Measurement]:
+    """``fn`` as a step: each call runs it in this process, again until ``min_seconds`` have passed
+    (a millisecond call alone is at the mercy of one scheduler tick), and returns its wall seconds
+    per call and how many calls they average."""
 
     def run() -> Measurement:
-        start = time.perf_counter()
-        fn()
-        return {"seconds": time.perf_counter() - start}
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                return {"seconds": elapsed / calls, "calls": calls}
 
     return run
 

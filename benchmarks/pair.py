@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,16 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def partial_note(payload: dict[str, Any]) -> str:
+    """Which formats left which recipe layers BF16 (their blocks do not tile them), or nothing."""
+    left = payload.get("bf16_layers", {})
+    return "".join(
+        f"{name}: the recipe but {', '.join(kinds)}, which its blocks do not tile here (BF16). "
+        for name, kinds in left.items()
+        if kinds
+    )
+
+
 def timing_note(payload: dict[str, Any]) -> str:
     """``accept``'s wall time per run, paired with the target's greedy decode, and the eval's."""
     t = payload["accept_timing"]
@@ -146,6 +157,30 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def block_builds(pair: Path, root: Path) -> dict[str, list[str]]:
+    """Quantize the pair's drafter into ``root/FORMAT`` for each block format, on the recipe layers its
+    blocks tile; returns ``{build directory: the recipe layers left BF16}`` (accept and eval take
+    the directories as variants)."""
+    from vllm_dspark.checkpoint import formats
+    from vllm_dspark.checkpoint.layout import FP8_RECIPE, checkpoint_modules
+    from vllm_dspark.checkpoint.store import load_config
+    from vllm_dspark.tools.cli import main as cli
+
+    shapes = {s.kind: s.shape for s in checkpoint_modules(load_config(pair / "drafter"))}
+    builds = {}
+    for name in formats.names():
+        fmt = formats.get(name)
+        if fmt.block is None:
+            continue
+        left = [k for k in FP8_RECIPE if fmt.shape_problem(shapes[k]) is not None]
+        argv = ["quantize", "--model-dir", str(pair / "drafter"), "--out", str(root / name)]
+        argv += ["--quant-format", name, "--no-progress", "--include-layers"]
+        if cli([*argv, *(k for k in FP8_RECIPE if k not in left)]) != 0:
+            raise SystemExit(1)
+        builds[str(root / name)] = left
+    return builds
+
+
 def _figures(report: dict[str, Any]) -> list[dict[str, Any]]:
     """An accept report's cells without their wall times: what a rerun must reproduce."""
     return [{k: v for k, v in c.items() if k != "seconds"} for c in report["cells"]]
@@ -165,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     # Paths relative to the working directory: results record where the pair is, not this machine.
     pair, out = Path(os.path.relpath(args.pair)), args.out / "pair"
     prompts = json.loads((pair / "heldout_prompts.json").read_text())["prompts"][: args.prompts]
-    # Every format but the block ones, whose 128x128 blocks do not tile the pair's 64-wide projections.
-    variants = list(default_variants())
+    # Every format on the fly; the block ones as builds of the layers their 128x128 blocks tile.
+    scratch = tempfile.TemporaryDirectory(prefix="pair-builds-")
+    partial = block_builds(pair, Path(scratch.name))
+    variants = [*default_variants(), *partial]
     # The prompts' ids are kept with the results: both tools read them, and the results name them.
     ids = Path(os.path.relpath(out / "prompts.json"))
     with staged(ids, directory=False) as staging:
@@ -210,9 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         "accept_timing": accept_timing,
         "figures_identical": all(_figures(r) == _figures(reports[0]) for r in reports),
         "eval_s": drift["timing"]["total_s"],
+        "bf16_layers": {Path(b).name: left for b, left in partial.items()},
         "rows": rows,
     }
-    write_result("pair", payload, table(rows) + "\n\n" + timing_note(payload), args.out)
+    scratch.cleanup()
+    text = table(rows) + "\n\n" + partial_note(payload) + timing_note(payload)
+    write_result("pair", payload, text, args.out)
     return 0
 
 

@@ -735,6 +735,27 @@ def test_modelopt_normalized_config_excludes_the_runtime_names(modelopt_builds) 
     assert normalized["ignore"] == [runtime_name(s, 93) for s in bf16]
     assert "model.layers.94.self_attn.q_a_proj" in normalized["ignore"]
     assert not any(".layers.0." in e or e.startswith("*") for e in normalized["ignore"])
+    drafted = quant_plan.vllm_quantization_config(plan, config, start_layer_id=93, prefix="draft")
+    assert drafted["ignore"] == [runtime_name(s, 93, "draft") for s in bf16]
+    # The formats vLLM needs kernels for, read from the config alone.
+    assert quant_plan.config_formats(normalized) == ("modelopt", {"fp8-dynamic"})
+    qc = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    assert quant_plan.config_formats(qc) == ("modelopt", {"fp8-dynamic"})
+
+
+def test_config_formats_names_every_group_of_a_compressed_tensors_config() -> None:
+    from vllm_dspark.checkpoint import quant_config
+
+    qc = quant_config.compressed_tensors_config(
+        {
+            "fp8": ["model.layers.8.mlp.down_proj"],
+            "nvfp4-w4a4": ["model.layers.8.mlp.gate_up_proj"],
+        },
+        ignore=[],
+    )
+    assert quant_plan.config_formats(qc) == ("compressed-tensors", {"fp8", "nvfp4-w4a4"})
+    with pytest.raises(quant_plan.QuantPlanError, match="quant_method"):
+        quant_plan.config_formats({"quant_method": "gptq"})
 
 
 @pytest.mark.vllm_api
