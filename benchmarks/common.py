@@ -95,16 +95,22 @@ def paired(
     Returns every run (``runs``: each with its ``step`` and ``baseline`` measurement and their
     ``ratio``, step / baseline) and the median / min / max of the ratio and of each side's seconds.
     """
-    result = rounds(
-        lambda: {"step": step(), "baseline": baseline()},
-        "baseline",
-        pairs=pairs,
-        warmup=warmup,
-        progress=progress,
+    return paired_result(
+        rounds(
+            lambda: {"step": step(), "baseline": baseline()},
+            "baseline",
+            pairs=pairs,
+            warmup=warmup,
+            progress=progress,
+        )
     )
+
+
+def paired_result(result: dict[str, Any]) -> dict[str, Any]:
+    """:func:`paired`'s result from a :func:`rounds` result over a ``step`` and its ``baseline``."""
     return {
-        "pairs": pairs,
-        "warmup": warmup,
+        "pairs": result["pairs"],
+        "warmup": result["warmup"],
         "ratio": result["ratio"]["step"],
         "step_seconds": result["seconds"]["step"],
         "baseline_seconds": result["seconds"]["baseline"],
@@ -128,19 +134,34 @@ def meets(result: dict[str, Any], limit: float) -> bool:
     return result["ratio"]["max"] <= limit
 
 
-def timed(fn: Callable[[], Any], min_seconds: float = 0.0) -> Callable[[], Measurement]:
-    """``fn`` as a step: each call runs it in this process, again until ``min_seconds`` have passed
-    (a millisecond call alone is at the mercy of one scheduler tick), and returns its wall seconds
-    per call and how many calls they average."""
+def timed(fn: Callable[[], Any]) -> Callable[[], Measurement]:
+    """``fn`` as a step: each call runs it once in this process and returns its wall seconds."""
 
     def run() -> Measurement:
-        calls, start = 0, time.perf_counter()
+        start = time.perf_counter()
+        fn()
+        return {"seconds": time.perf_counter() - start}
+
+    return run
+
+
+def interleaved(
+    fns: dict[str, Callable[[], Any]], min_seconds: float
+) -> Callable[[], dict[str, Measurement]]:
+    """One run of several calls taken in turn, call by call (a, b, a, b, ...), until ``min_seconds``
+    have passed: each one's mean wall seconds per call. A drift in the machine's speed within the run
+    (a neighbour's burst, a frequency step) then reaches every call alike, not one side of a pair."""
+
+    def run() -> dict[str, Measurement]:
+        spent, calls, start = dict.fromkeys(fns, 0.0), 0, time.perf_counter()
         while True:
-            fn()
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                spent[name] += time.perf_counter() - t0
             calls += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_seconds:
-                return {"seconds": elapsed / calls, "calls": calls}
+            if time.perf_counter() - start >= min_seconds:
+                return {name: {"seconds": s / calls, "calls": calls} for name, s in spent.items()}
 
     return run
 

@@ -14,9 +14,9 @@ Ways to run one compressed-tensors linear, at batch 1 and at a 7-token block:
 - ``dequant-per-call``: dequantising the FP8 weight on every call, which is why the kernel does
   it once.
 
-Each path is paired with the ``bf16`` baseline, run by run (:func:`benchmarks.common.paired`; a run
-is the mean of as many calls as fill :data:`CALL_SECONDS`); the table gives the median ratio and its
-spread. Achieved bandwidth counts the BF16 weight bytes
+Each path is paired with the ``bf16`` baseline: a run takes their calls in turn for
+:data:`CALL_SECONDS` (:func:`benchmarks.common.interleaved`), and the table gives the median ratio
+of the runs and its spread. Achieved bandwidth counts the BF16 weight bytes
 each call streams (median time), next to a memory-copy bandwidth measured in the same run.
 """
 
@@ -36,16 +36,17 @@ from benchmarks.common import (
     MIN_PAIRS,
     add_pairing_arguments,
     format_table,
+    interleaved,
     memcpy_bandwidth,
-    paired,
+    paired_result,
+    rounds,
     spread_text,
-    timed,
     write_result,
 )
 from vllm_dspark.checkpoint.layout import FP8_RECIPE, checkpoint_modules
 from vllm_dspark.checkpoint.presets import preset_config, preset_config_json
 
-CALL_SECONDS = 0.05  # each timed run repeats its call until this much time has passed
+CALL_SECONDS = 0.1  # each run takes a path's and the baseline's calls in turn for this long
 
 
 def _shapes(preset: str) -> dict[str, tuple[int, int]]:
@@ -168,9 +169,15 @@ def run(
             with torch.inference_mode():
                 ref = paths["dequant-bf16"]().float()
                 err = (paths["plugin fp8"]().float() - ref).norm() / ref.norm()
-                base = timed(paths["bf16"], CALL_SECONDS)
                 results = {
-                    name: paired(timed(fn, CALL_SECONDS), base, pairs=pairs, warmup=warmup)
+                    name: paired_result(
+                        rounds(
+                            interleaved({"step": fn, "baseline": paths["bf16"]}, CALL_SECONDS),
+                            "baseline",
+                            pairs=pairs,
+                            warmup=warmup,
+                        )
+                    )
                     for name, fn in paths.items()
                     if name != "bf16"
                 }
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         ["module", "shape", "tokens", "path", "ms", "vs bf16", "GB/s", "memcpy GB/s"],
     ) + (
         f"\n\nms: median; vs bf16: median (min–max) of {args.pairs} pairs (path, bf16) after "
-        f"{args.warmup} warm-up pair, each run the mean of as many calls as fill "
+        f"{args.warmup} warm-up pair, each pair the two paths' calls taken in turn for "
         f"{1e3 * CALL_SECONDS:.0f} ms; bf16's own ms: the median of its runs in every pair."
     )
     write_result("fp8_linear", result, table)

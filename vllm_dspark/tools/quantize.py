@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-dspark quantize``: a drafter to a weight-only format, in the compressed-tensors layout vLLM loads."""
+"""``vllm-dspark quantize``: a drafter to a quantized format, in the compressed-tensors layout vLLM loads or ModelOpt's."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def registered_format(name: str) -> str:
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="vllm-dspark quantize",
-        description="Quantize a K3 DSpark drafter checkpoint to a weight-only format, in the "
-        "compressed-tensors format vLLM loads. Non-included tensors are copied bit-identical; a report "
+        description="Quantize a K3 DSpark drafter checkpoint (weight-only, W8A8 or W4A4), in the "
+        "compressed-tensors format vLLM loads or ModelOpt's. Non-included tensors are copied bit-identical; a report "
         f"({REPORT_NAME}.json/.md) gives params quantized, sizes and weight SNR.",
         epilog="No calibration; SmoothQuant is off on purpose (why: docs/tools/quantize.md).",
     )
