@@ -46,7 +46,7 @@ from benchmarks.common import (
 from vllm_dspark.checkpoint.layout import FP8_RECIPE, checkpoint_modules
 from vllm_dspark.checkpoint.presets import preset_config, preset_config_json
 
-CALL_SECONDS = 0.1  # each run takes a path's and the baseline's calls in turn for this long
+CALL_SECONDS = 0.5  # each run takes a path's and the baseline's calls in turn for this long
 
 
 def _shapes(preset: str) -> dict[str, tuple[int, int]]:

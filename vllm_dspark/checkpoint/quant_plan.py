@@ -40,9 +40,8 @@ FLOAT_DTYPES = (
     "F32",
 )  # what an unquantized tensor may be stored in (the published drafter: BF16)
 _GLOB_CHARS = frozenset("*?[")
-_FNMATCH_WRAPPER = re.compile(
-    r"\(\?s:(.*)\)\\Z", re.S
-)  # fnmatch.translate's output around the regex
+# fnmatch.translate's output around the regex it builds
+_FNMATCH_WRAPPER = re.compile(r"\(\?s:(.*)\)\\Z", re.S)
 _KV_A_KIND = "self_attn.kv_a_proj_with_mqa"
 
 
