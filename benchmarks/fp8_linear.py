@@ -12,7 +12,9 @@ Ways to run one compressed-tensors linear, at batch 1 and at a 7-token block:
 - ``bf16``: the same GEMM dispatch on the original BF16 weight (the baseline of every ratio);
 - ``dequant-bf16``: plain ``F.linear`` on the weight dequantised to BF16;
 - ``dequant-per-call``: dequantising the FP8 weight on every call, which is why the kernel does
-  it once.
+  it once;
+- ``bf16 copy``: the ``bf16`` layer built again from the same weight, the control: the same GEMM on
+  another allocation, so its spread is what placement in memory alone does to a ratio here.
 
 Each path is paired with the ``bf16`` baseline: a run takes their calls in turn for
 :data:`CALL_SECONDS` (:func:`benchmarks.common.interleaved`), and the table gives the median ratio
@@ -149,7 +151,7 @@ def run(
             for fmt in formats.names()
             if formats.get(fmt).shape_problem((n, k)) is None
         }
-        bf16 = _bf16_layer(weight)
+        bf16, copy = _bf16_layer(weight), _bf16_layer(weight)
         weight_bytes = n * k * 2
         for t in tokens:
             x = torch.randn(t, k).to(torch.bfloat16)
@@ -161,6 +163,7 @@ def run(
                     for fmt in plugin
                 },
                 "bf16": lambda: cpu_unquantized_gemm(bf16, x, bf16.weight, None),
+                "bf16 copy": lambda: cpu_unquantized_gemm(copy, x, copy.weight, None),
                 "dequant-bf16": lambda: torch.nn.functional.linear(x, dequantised),
                 "dequant-per-call": lambda: torch.nn.functional.linear(
                     x, (w_fp8.to(torch.float32) * scale.to(torch.float32)).to(torch.bfloat16)

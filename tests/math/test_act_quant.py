@@ -29,8 +29,12 @@ def vllm_context():
 def test_e2m1_rounding_is_vllms_on_a_dense_grid() -> None:
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import cast_to_fp4
 
-    grid = torch.linspace(-6, 6, 240_001)  # steps of 5e-5: every tie and boundary of the grid
-    assert torch.equal(act_quant.round_to_e2m1(grid), cast_to_fp4(grid.clone()))
+    grid = torch.linspace(-6, 6, 240_001)  # steps of 5e-5 from -6 to 6
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    # Each tie exactly, with the floats either side of it, both signs, and zeros (equal as values).
+    edges = torch.cat([ties, ties.nextafter(torch.tensor(0.0)), ties.nextafter(torch.tensor(9.0))])
+    x = torch.cat([grid, edges, -edges, torch.tensor([0.0, -0.0, 6.0, -6.0])])
+    assert torch.equal(act_quant.round_to_e2m1(x), cast_to_fp4(x.clone()))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
