@@ -149,19 +149,27 @@ def interleaved(
     fns: dict[str, Callable[[], Any]], min_seconds: float
 ) -> Callable[[], dict[str, Measurement]]:
     """One run of several calls taken in turn, call by call (a, b, a, b, ...), until ``min_seconds``
-    have passed: each one's mean wall seconds per call. A drift in the machine's speed within the run
-    (a neighbour's burst, a frequency step) then reaches every call alike, not one side of a pair."""
+    have passed: each one's median wall seconds per call. A drift in the machine's speed within the
+    run (a frequency step) then reaches every call alike, not one side of a pair, and a single
+    stalled call (a neighbour's burst, a page fault) moves a mean but not the median."""
 
     def run() -> dict[str, Measurement]:
-        spent, calls, start = dict.fromkeys(fns, 0.0), 0, time.perf_counter()
+        spent: dict[str, list[float]] = {name: [] for name in fns}
+        start = time.perf_counter()
         while True:
             for name, fn in fns.items():
                 t0 = time.perf_counter()
                 fn()
-                spent[name] += time.perf_counter() - t0
-            calls += 1
+                spent[name].append(time.perf_counter() - t0)
             if time.perf_counter() - start >= min_seconds:
-                return {name: {"seconds": s / calls, "calls": calls} for name, s in spent.items()}
+                return {
+                    name: {
+                        "seconds": statistics.median(s),
+                        "mean_seconds": statistics.fmean(s),
+                        "calls": len(s),
+                    }
+                    for name, s in spent.items()
+                }
 
     return run
 

@@ -17,8 +17,8 @@ Ways to run one compressed-tensors linear, at batch 1 and at a 7-token block:
   another allocation, so its spread is what placement in memory alone does to a ratio here.
 
 Each path is paired with the ``bf16`` baseline: a run takes their calls in turn for
-:data:`CALL_SECONDS` (:func:`benchmarks.common.interleaved`), and the table gives the median ratio
-of the runs and its spread. Achieved bandwidth counts the BF16 weight bytes
+:data:`CALL_SECONDS` (:func:`benchmarks.common.interleaved`), each side's figure its median call,
+and the table gives the median ratio of the runs and its spread. Achieved bandwidth counts the BF16 weight bytes
 each call streams (median time), next to a memory-copy bandwidth measured in the same run.
 """
 
@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ) + (
         f"\n\nms: median; vs bf16: median (min–max) of {args.pairs} pairs (path, bf16) after "
         f"{args.warmup} warm-up pair, each pair the two paths' calls taken in turn for "
-        f"{1e3 * CALL_SECONDS:.0f} ms; bf16's own ms: the median of its runs in every pair."
+        f"{1e3 * CALL_SECONDS:.0f} ms, each side's median call; bf16's own ms: the median of its "
+        "runs in every pair."
     )
     write_result("fp8_linear", result, table)
     return 0

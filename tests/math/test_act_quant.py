@@ -11,10 +11,12 @@ from vllm_dspark.ops import act_quant
 
 
 def _inputs(dtype: torch.dtype) -> torch.Tensor:
-    # Rows spanning five decades and an all-zero row (the floored scale).
+    # Rows spanning five decades, an all-zero row (the floored scale) and a row so small that its
+    # NVFP4 block scales underflow E4M3 to zero (get_reciprocal's 1e8 case).
     x = torch.randn(37, 384, generator=torch.Generator().manual_seed(0))
     x = x * torch.logspace(-3, 2, 37)[:, None]
     x[3] = 0
+    x[5] *= 1e-2
     return x.to(dtype)
 
 

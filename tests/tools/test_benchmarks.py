@@ -16,11 +16,12 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from benchmarks.common import MIN_PAIRS, meets, paired, rounds, spread, spread_text
+from benchmarks.common import MIN_PAIRS, interleaved, meets, paired, rounds, spread, spread_text
 from benchmarks.registry import BENCHMARKS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -365,3 +366,18 @@ def test_paired_timed_steps_in_this_process() -> None:
     assert all(r["step"]["seconds"] >= 0 and r["baseline"]["seconds"] > 0 for r in result["runs"])
     with pytest.raises(ValueError, match="pairs must be at least 1"):
         paired(timed(lambda: None), timed(lambda: None), pairs=0)
+
+
+def test_interleaved_takes_calls_in_turn_and_a_stalled_call_moves_the_mean_not_the_median() -> None:
+    log: list[str] = []
+
+    def stalls_once() -> None:
+        log.append("A")
+        if len(log) == 1:
+            time.sleep(0.1)
+
+    measured = interleaved({"a": stalls_once, "b": lambda: log.append("B")}, 0.2)()
+    assert log == ["A", "B"] * (len(log) // 2)
+    assert measured["a"]["calls"] == measured["b"]["calls"] == len(log) // 2 > 2
+    assert measured["a"]["mean_seconds"] >= 0.1 / measured["a"]["calls"]
+    assert measured["a"]["seconds"] < 0.01  # the median: the one 100 ms call is an outlier

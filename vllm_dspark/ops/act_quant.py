@@ -111,12 +111,21 @@ def fp8_per_group(x: torch.Tensor, group_size: int = 128) -> torch.Tensor:
     return out[..., :k]
 
 
+# Adding 1.5 * 2^22 * 2^e to a float32 below 2^(e+1) leaves it in a binade whose steps are 2^(e-1),
+# E2M1's spacing there (0.5 below 2, 1 below 4, 2 up to 6): the float add then rounds to the grid, to
+# nearest, ties to even. 2^e is the magnitude (at least 1) with its mantissa bits cleared.
+_EXPONENT_BITS = 0x7F800000
+_MAGIC_FROM_POWER = (22 << 23) | 0x400000  # times 2^22, times 1.5
+
+
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """float32 ``x`` (already within ±6) rounded to the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}, ties to even."""
-    mag = x.abs()
-    # The grid's spacing is 0.5 below 2, 1 below 4, 2 up to 6: round in units of it, half to even.
-    step = torch.where(mag < 2.0, 0.5, torch.where(mag < 4.0, 1.0, 2.0))
-    return (mag / step).round_().mul_(step).clamp_(max=FP4_MAX).copysign_(x)
+    """float32 ``x`` (within ±6) rounded to the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}, ties to even.
+
+    Equal in value to vLLM's ``cast_to_fp4``; a zero may differ from it in sign.
+    """
+    power = x.abs().clamp_min_(1.0).view(torch.int32).bitwise_and_(_EXPONENT_BITS)
+    magic = power.add_(_MAGIC_FROM_POWER).view(torch.float32)
+    return x.add(magic).sub_(magic)
 
 
 def nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
@@ -129,10 +138,13 @@ def nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     if k % NVFP4_BLOCK:
         raise ValueError(f"NVFP4 quantizes blocks of {NVFP4_BLOCK} values, but the input has {k}")
     gs = global_scale.float().reshape(())
-    blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK))
-    scale = (gs * blocks.abs().amax(dim=-1, keepdim=True) / FP4_MAX).clamp_(-FP8_MAX, FP8_MAX)
-    scale = scale.to(torch.float8_e4m3fn).float()
-    # vLLM's get_reciprocal, rounding step for rounding step: a zero scale zeroes its block, not NaN.
-    over = scale * (1.0 / gs)
-    codes = round_to_e2m1((blocks * (1.0 / (over + (over == 0) * 1e8))).clamp_(-FP4_MAX, FP4_MAX))
+    blocks = x.unflatten(-1, (-1, NVFP4_BLOCK))
+    # ref_nvfp4_quant's operations in its order (the rounding is in the order), fewer of them: at one
+    # token this runs on a few thousand values, where each torch call's overhead is the cost.
+    amax = blocks.abs().amax(dim=-1, keepdim=True).float()
+    scale = (gs * (amax * (1 / FP4_MAX))).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    # vLLM's get_reciprocal: 1 / (s + (s == 0) * 1e8), so a zero scale zeroes its block, not NaN.
+    over = scale * gs.reciprocal()
+    inv = over.masked_fill_(over == 0, 1e8).reciprocal_()
+    codes = round_to_e2m1((blocks * inv).clamp_(-FP4_MAX, FP4_MAX))  # bf16 * float32 is float32
     return (codes * (scale / gs)).flatten(-2).to(x.dtype)
