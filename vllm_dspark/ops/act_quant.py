@@ -6,7 +6,7 @@ vLLM's ``QuantFP8.forward_native`` (``layers/quantization/input_quant_fp8.py``):
 floored at 1 / (448 * 512), and x * (1 / scale) saturated to E4M3. NVFP4 is its
 ``ref_nvfp4_quant_dequant`` (``quantization/utils/nvfp4_emulation_utils.py``): an E4M3 scale per 16
 values under one global scale, and E2M1 codes rounded to nearest, ties to even. The tests check
-each against those functions, bit for bit.
+each against those functions, bit for bit (a zero from NVFP4 may carry the other sign).
 """
 
 from __future__ import annotations
