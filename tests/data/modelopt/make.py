@@ -3,11 +3,18 @@
 
     pip install --target SITE nvidia-modelopt==0.47.0 --no-deps
     pip install --target SITE omegaconf antlr4-python3-runtime==4.9.3 pulp scipy nvidia-ml-py
-    PYTHONPATH=SITE:. python tests/data/modelopt/make.py QUANTIZE_DRAFTER_PY
+    PYTHONPATH=SITE:. python tests/data/modelopt/make.py QUANTIZE_DRAFTER_PY   # everything
+    PYTHONPATH=SITE:. python tests/data/modelopt/make.py --inputs              # inputs.safetensors only
 
 QUANTIZE_DRAFTER_PY is examples/speculative_decoding/scripts/quantize_drafter.py from
 NVIDIA/Model-Optimizer PR #2027. It runs on CPU. source.safetensors holds a few bf16 weights shaped like
 a drafter's; each <qformat>.safetensors is ModelOpt's export of them, read by tests/checkpoint/test_modelopt.py.
+
+inputs.safetensors holds activations ``x`` and ModelOpt's own quantize-dequantize of them, as each
+of its formats quantizes a linear's input on CPU: ``fp8`` (FP8: static per tensor, calibrated on x by
+max), ``fp8_pc_pt`` (per token, dynamic) and ``nvfp4`` (NVFP4QTensor under the global scale calibrated on x:
+its fake quantizer for inputs is CUDA-only), with the ``input_scale`` each export stores (``NAME_input_scale``).
+Read by tests/math/test_act_quant.py.
 
 small.json is ModelOpt's export of the whole ``small`` preset (``make_random(..., "small", seed=0)``), per
 qformat: its hf_quant_config and each tensor's dtype, shape and sha256 (``tensor_digest``). The drafter quantizer's steps run
@@ -68,6 +75,40 @@ def main(script: str) -> None:
         config = json.loads((out / "config.json").read_text())["quantization_config"]
         (HERE / f"{qformat}.json").write_text(json.dumps(config, indent=1) + "\n")
     _small(qd)
+    _inputs()
+
+
+def _inputs() -> None:
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export.quant_utils import get_activation_scaling_factor
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    # Rows over five decades, an all-zero row, and one whose NVFP4 block scales underflow E4M3.
+    x = torch.randn(37, 384, generator=torch.Generator().manual_seed(0))
+    x = (x * torch.logspace(-3, 2, 37)[:, None]).to(torch.bfloat16)
+    x[3] = 0
+    x[5] *= 1e-2
+    found = {"x": x}
+    configs = {
+        "fp8": mtq.FP8_DEFAULT_CFG,
+        "fp8_pc_pt": mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG,
+        "nvfp4": mtq.NVFP4_DEFAULT_CFG,
+    }
+    for name, config in configs.items():
+        linear = torch.nn.Sequential(torch.nn.Linear(384, 64, bias=False)).to(torch.bfloat16)
+        mtq.quantize(linear, config, lambda model: model(x))  # calibrates static scales on x
+        input_scale = get_activation_scaling_factor(linear[0])  # what the export stores
+        if input_scale is not None:
+            found[f"{name}_input_scale"] = input_scale.float().reshape(1)
+        if name == "nvfp4":  # its input fake quantizer is CUDA-only: its quantizer's own math
+            packed, scale, scale_2 = NVFP4QTensor.quantize(x, 16, None, input_scale)
+            found[name] = packed.dequantize(
+                dtype=torch.bfloat16, scale=scale, double_scale=scale_2, block_sizes={-1: 16}
+            )
+        else:
+            with torch.no_grad():
+                found[name] = linear[0].input_quantizer(x)
+    save_file(found, HERE / "inputs.safetensors")
 
 
 def _small(qd) -> None:
@@ -104,4 +145,4 @@ def _small(qd) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    _inputs() if sys.argv[1] == "--inputs" else main(sys.argv[1])
