@@ -10,17 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.activations import activations
 from vllm_dspark.ops import act_quant
-
-
-def _inputs(dtype: torch.dtype) -> torch.Tensor:
-    # Rows spanning five decades, an all-zero row (the floored scale) and a row so small that its
-    # NVFP4 block scales underflow E4M3 to zero (get_reciprocal's 1e8 case).
-    x = torch.randn(37, 384, generator=torch.Generator().manual_seed(0))
-    x = x * torch.logspace(-3, 2, 37)[:, None]
-    x[3] = 0
-    x[5] *= 1e-2
-    return x.to(dtype)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +39,7 @@ def test_fp8_inputs_are_vllms_quant_fp8(vllm_context, kind: str, dtype: torch.dt
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
-    x = _inputs(dtype)
+    x = activations(dtype)
     static = kind == "fp8_tensor"
     shape = {"fp8_token": GroupShape.PER_TOKEN, "fp8_tensor": GroupShape.PER_TENSOR}.get(
         kind, GroupShape(1, 128)
@@ -71,7 +62,7 @@ def test_nvfp4_inputs_are_vllms_emulation(dtype: torch.dtype) -> None:
         ref_nvfp4_quant_dequant,
     )
 
-    x = _inputs(dtype)
+    x = activations(dtype)
     global_scale = (448 * 6 / x.abs().max().float()).reshape(1)
     ours = act_quant.ActScheme("nvfp4")(x, global_scale)
     assert torch.equal(ours, ref_nvfp4_quant_dequant(x, global_scale, 16))
@@ -109,7 +100,7 @@ def test_inputs_agree_with_compressed_tensors_own_fake_quantize(fmt: str) -> Non
 
     f = formats.get(fmt)
     args = f.scheme.input_activations
-    x = _inputs(torch.bfloat16)
+    x = activations(torch.bfloat16)
     v = x.float().unsqueeze(0)  # compressed-tensors' activations are (batch, tokens, hidden)
     global_scale = None
     if fmt == "nvfp4-w4a4":

@@ -83,11 +83,9 @@ def _inputs() -> None:
     from modelopt.torch.export.quant_utils import get_activation_scaling_factor
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
-    # Rows over five decades, an all-zero row, and one whose NVFP4 block scales underflow E4M3.
-    x = torch.randn(37, 384, generator=torch.Generator().manual_seed(0))
-    x = (x * torch.logspace(-3, 2, 37)[:, None]).to(torch.bfloat16)
-    x[3] = 0
-    x[5] *= 1e-2
+    from tests.support.activations import activations
+
+    x = activations(torch.bfloat16)
     found = {"x": x}
     configs = {
         "fp8": mtq.FP8_DEFAULT_CFG,
