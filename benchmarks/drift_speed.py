@@ -91,7 +91,7 @@ def run(
     blocks = make_blocks(spec, config, reference)
     (batch,) = batches(spec, config, blocks, REGIME, spec.all_positions()[0])
     quiet = tqdm(disable=True)
-    shape = (batch_size, config.block_size, config.vocab_size)
+    shape = (batch_size, config.draft_block_size, config.vocab_size)
     rows = []
     with spill_dir() as spill, torch.inference_mode():
 
@@ -128,7 +128,7 @@ def run(
         "regime": REGIME,
         "batch_size": batch_size,
         "context_len": context_len,
-        "block_size": config.block_size,
+        "block_size": config.draft_block_size,
         "load_reference_s": load_reference_s,
         "results": rows,
     }

@@ -54,7 +54,7 @@ from vllm_dspark.reference.io import example_inputs
 def weight_bytes_per_block(drafter: ReferenceDrafter) -> dict[str, int]:
     """Bytes of weights one block reads, by component, in the drafter's storage dtypes."""
     c = drafter.config
-    n = c.block_size
+    n = c.draft_block_size
 
     def size(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
@@ -161,14 +161,14 @@ def run(
                 "compute": name,
                 "goal_ratio": GOALS[name],
                 "meets_goal": meets(result, GOALS[name]),
-                "ms_per_token": seconds * 1e3 / config.block_size,
+                "ms_per_token": seconds * 1e3 / config.draft_block_size,
                 "weight_GBps": weight_bytes / seconds / 1e9,
                 **result,
             }
         )
     return {
         "preset": preset,
-        "block_size": config.block_size,
+        "block_size": config.draft_block_size,
         "context_len": context_len,
         "batch": 1,
         "threads": torch.get_num_threads(),

@@ -45,8 +45,11 @@ REQUIRED_FIELDS = (
     "target_layer_ids",
     "mask_token_id",
     "markov_rank",
-    "block_size",
 )
+
+# What the tools that draft without vLLM (draft, eval, accept) use when config.json has no block_size;
+# vLLM's block is num_speculative_tokens, which falls back to block_size only when unset.
+DEFAULT_DRAFT_BLOCK = 7
 
 DEFAULT_ROPE_THETA = 50000.0
 YARN_REQUIRED_KEYS = ("factor", "original_max_position_embeddings")
@@ -70,7 +73,13 @@ DEFAULTS: dict[str, Any] = {
     "confidence_head_with_markov": False,
     "logit_scale": 1.0,
     "sample_from_anchor": True,
+    # lightseekorg's drafter: one RMSNorm per target tap ahead of context_proj (TokenSpeed's kimi_k3_dspark.py).
+    "fc_norm": False,
+    # Which of the Kimi-K3 target's streams the taps read: the residual prefix, or AttnRes's mixture.
+    "aux_hidden_stream": "prefix",
 }
+
+AUX_HIDDEN_STREAMS = ("prefix", "attn_res")
 
 
 def with_defaults(
@@ -85,21 +94,43 @@ def with_defaults(
     for key, value in {**DEFAULTS, **derived}.items():
         if out.get(key) is None:
             out[key] = value
-    out.setdefault("block_size", None)
+    # vLLM reads dspark_block_size where block_size is absent (DSparkSpeculatorConfig).
+    out.setdefault("block_size", out.get("dspark_block_size"))
     out["rope_parameters"] = _normalise_rope(out.get("rope_parameters"), rope_theta)
     return out
 
 
 class KVLatent:
-    """The per-token latent a drafter config implies."""
+    """What a drafter config implies beyond its stated fields: the per-token latent, the block."""
 
     kv_lora_rank: int
     qk_rope_head_dim: int
+    block_size: int | None
 
     @property
     def kv_latent_dim(self) -> int:
         """Elements per token in the MLA latent cache: kv_lora_rank + qk_rope_head_dim."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def causal(self) -> bool:
+        """Whether the block attends causally: ``is_causal``, else ``dflash_config.causal``, else not,
+        as vLLM's ``_dflash_layer_causal`` resolves it (K3 drafters have no ``layer_types``)."""
+        return block_is_causal(self)
+
+    @property
+    def draft_block_size(self) -> int:
+        """The block drafted without vLLM: ``block_size`` when stated, else :data:`DEFAULT_DRAFT_BLOCK`."""
+        return self.block_size or DEFAULT_DRAFT_BLOCK
+
+
+def block_is_causal(c: Any) -> bool:
+    """:attr:`KVLatent.causal` of any config-like object (vLLM's resolution order)."""
+    explicit = getattr(c, "is_causal", None)
+    if explicit is not None:
+        return bool(explicit)
+    override = (getattr(c, "dflash_config", None) or {}).get("causal")
+    return bool(override) if override is not None else False
 
 
 class DrafterFields(KVLatent, types.SimpleNamespace):
@@ -290,11 +321,14 @@ def validate_config(c: Any) -> None:
             "the drafter shares the target's embedding and lm_head, so its vocabulary must equal the target's",
         )
 
-    if c.block_size is None or not isinstance(c.block_size, int) or c.block_size < 1:
+    if c.block_size is not None and (
+        not isinstance(c.block_size, int) or isinstance(c.block_size, bool) or c.block_size < 1
+    ):
         _fail(
             "block_size",
             f"must be an integer >= 1, got {c.block_size!r}",
-            "set the number of tokens drafted per parallel pass (7 for Kimi-K3)",
+            "set the number of tokens drafted per parallel pass (7 for Kimi-K3), or leave it out "
+            "as the published checkpoint does (vLLM then drafts num_speculative_tokens)",
         )
     if not c.sample_from_anchor:
         _fail(
@@ -302,8 +336,19 @@ def validate_config(c: Any) -> None:
             "is false (fill-in layout)",
             "the K3 drafter drafts from the anchor: remove sample_from_anchor or set it to true",
         )
-    if getattr(c, "is_causal", False):
-        _fail("is_causal", "is true", "the DSpark block is non-causal: remove is_causal")
+    _validate_attention_pattern(c)
+    if not isinstance(c.fc_norm, bool):
+        _fail(
+            "fc_norm",
+            f"must be true or false, got {c.fc_norm!r}",
+            "set it as the checkpoint has it",
+        )
+    if c.aux_hidden_stream not in AUX_HIDDEN_STREAMS:
+        _fail(
+            "aux_hidden_stream",
+            f"{c.aux_hidden_stream!r} is not a stream the Kimi-K3 target provides",
+            "use 'prefix' (the residual stream, the default) or 'attn_res' (AttnRes's mixture)",
+        )
     if c.confidence_head_with_markov and not c.enable_confidence_head:
         _fail(
             "confidence_head_with_markov",
@@ -321,6 +366,30 @@ def validate_config(c: Any) -> None:
             "max_position_embeddings",
             f"must be positive, got {c.max_position_embeddings}",
             "use 1048576 for Kimi-K3",
+        )
+
+
+def _validate_attention_pattern(c: Any) -> None:
+    """Refuse the attention variants vLLM's resolver knows but the K3 drafter does not implement."""
+    explicit = getattr(c, "is_causal", None)
+    if explicit is not None and not isinstance(explicit, bool):
+        _fail(
+            "is_causal",
+            f"must be true or false, got {explicit!r}",
+            "set it as the checkpoint has it",
+        )
+    dflash = getattr(c, "dflash_config", None)
+    if dflash is not None and not isinstance(dflash, Mapping):
+        _fail(
+            "dflash_config", f"must be a JSON object, got {dflash!r}", "remove it or fix its value"
+        )
+    if (dflash or {}).get("use_swa") or any(
+        t != "full_attention" for t in getattr(c, "layer_types", None) or ()
+    ):
+        _fail(
+            "dflash_config.use_swa" if (dflash or {}).get("use_swa") else "layer_types",
+            "asks for sliding-window draft layers",
+            "the K3 DSpark drafter attends over the full context: remove the sliding-window setting",
         )
 
 

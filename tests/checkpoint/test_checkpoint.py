@@ -183,7 +183,7 @@ def test_fp8_checkpoint_is_dequantized_once_at_load(tiny_checkpoint: Path, tmp_p
     out = ReferenceDrafter.from_pretrained(tmp_path / "fp8").draft(
         torch.randn(1, 4, 320), torch.arange(4)[None], torch.tensor([5])
     )
-    assert out.tokens.shape == (1, config.block_size)
+    assert out.tokens.shape == (1, config.draft_block_size)
 
     # FP8 shards under a config without quantization_config, and the converse.
     unlabelled = tmp_path / "fp8_without_quantization_config"

@@ -53,7 +53,12 @@ def test_k3_preset_is_the_published_drafter() -> None:
     ) == (1536, 512, 128, 64, 128)
     assert c.kv_latent_dim == 576 and c.vocab_size == c.draft_vocab_size == 163840
     assert c.target_layer_ids == [2, 23, 47, 71, 89] and c.target_num_hidden_layers == 93
-    assert (c.markov_rank, c.mask_token_id, c.block_size) == (256, 163837, 7)
+    assert (c.markov_rank, c.mask_token_id, c.block_size, c.draft_block_size) == (
+        256,
+        163837,
+        None,  # the published config states no block: vLLM drafts num_speculative_tokens
+        7,
+    )
     assert c.enable_confidence_head and c.confidence_head_with_markov
     rope = c.rope_parameters
     assert (
@@ -94,7 +99,8 @@ INVALID = [
         ["draft_vocab_size", "vocab_size", "shares the target's embedding"],
     ),
     ({"block_size": 0}, ["block_size", ">= 1"]),
-    ({"block_size": _DROP}, ["block_size", "7 for Kimi-K3"]),
+    ({"block_size": True}, ["block_size", "leave it out"]),
+    ({"dspark_block_size": -1}, ["block_size", ">= 1"]),
     (
         {"rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0}},
         ["rope_parameters", "factor", "original_max_position_embeddings"],
@@ -111,7 +117,12 @@ INVALID = [
     ({"sample_from_anchor": False}, ["sample_from_anchor"]),
     ({"mla_use_qk_norm": True}, ["mla_use_qk_norm"]),
     ({"dspark_bonus_anchor": True}, ["dspark_bonus_anchor"]),
-    ({"is_causal": True}, ["is_causal", "non-causal"]),
+    ({"is_causal": "yes"}, ["is_causal", "true or false"]),
+    ({"dflash_config": {"use_swa": True}}, ["dflash_config.use_swa", "sliding-window"]),
+    ({"layer_types": ["sliding_attention"] * 5}, ["layer_types", "sliding-window"]),
+    ({"dflash_config": [1]}, ["dflash_config", "JSON object"]),
+    ({"fc_norm": "true"}, ["fc_norm", "true or false"]),
+    ({"aux_hidden_stream": "mtp"}, ["aux_hidden_stream", "'attn_res'"]),
     ({"enable_confidence_head": False}, ["confidence_head_with_markov", "enable_confidence_head"]),
     ({"logit_scale": 0.0}, ["logit_scale"]),
     ({"target_hidden_size": _DROP}, ["target_hidden_size", "7168"]),

@@ -52,10 +52,10 @@ def test_round_trip_matches_the_reference(
     batch = inputs["anchor_ids"].shape[0]
     assert set(result) == set(OUTPUT_TENSORS)
     assert (
-        result["draft_tokens"].shape == (batch, config.block_size)
+        result["draft_tokens"].shape == (batch, config.draft_block_size)
         and result["draft_tokens"].dtype == torch.int64
     )
-    assert result["logits"].shape == (batch, config.block_size, config.vocab_size)
+    assert result["logits"].shape == (batch, config.draft_block_size, config.vocab_size)
     assert ((result["confidences"] > 0) & (result["confidences"] < 1)).all()
 
     expected = ReferenceDrafter.from_pretrained(checkpoint).draft(

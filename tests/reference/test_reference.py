@@ -60,7 +60,7 @@ def hidden_of(
     last = (
         positions.max(1).values if mask is None else positions.masked_fill(~mask, -1).max(1).values
     )
-    block_positions = last[:, None] + torch.arange(1, drafter.config.block_size + 1)
+    block_positions = last[:, None] + torch.arange(1, drafter.config.draft_block_size + 1)
     return drafter.block_hidden(
         anchors,
         context_kv,
@@ -95,14 +95,14 @@ def test_naive_and_absorbed_mla_agree(config, dtype, tol) -> None:
     attn = drafter.layers[0].self_attn
     x = torch.randn(
         3,
-        config.block_size,
+        config.draft_block_size,
         config.hidden_size,
         dtype=dtype,
         generator=torch.Generator().manual_seed(1),
     )
-    block_positions = positions[:, -1:] + torch.arange(1, config.block_size + 1)
+    block_positions = positions[:, -1:] + torch.arange(1, config.draft_block_size + 1)
     context_latent = drafter.context_kv(drafter.combine_hidden_states(aux), positions)[0]
-    key_mask = torch.cat([mask, torch.ones(3, config.block_size, dtype=torch.bool)], 1)
+    key_mask = torch.cat([mask, torch.ones(3, config.draft_block_size, dtype=torch.bool)], 1)
     torch.testing.assert_close(
         attn(x, block_positions, context_latent, key_mask, True),
         attn(x, block_positions, context_latent, key_mask, False),
@@ -160,7 +160,7 @@ def test_draft_block_layout_and_heads_are_consistent(drafter, config) -> None:
     mask = torch.ones_like(positions, dtype=torch.bool)
     mask[1, 9:] = False
     out = drafter.draft(aux, positions, anchors, context_mask=mask)
-    n = config.block_size
+    n = config.draft_block_size
     assert out.tokens.shape == (2, n) and out.tokens.dtype == torch.int64
     assert out.logits.shape == (2, n, config.vocab_size) and out.logits.dtype == torch.float32
     assert torch.equal(out.block_positions[0], positions[0, -1] + torch.arange(1, n + 1))

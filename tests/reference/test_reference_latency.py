@@ -25,7 +25,7 @@ def test_run_reports_times_and_bytes_streamed(monkeypatch) -> None:
     assert components["layers"] == layer_bytes
     assert (
         components["markov_w2_per_position"]
-        == config.block_size * bf16 * config.vocab_size * config.markov_rank
+        == config.draft_block_size * bf16 * config.vocab_size * config.markov_rank
     )
     assert components["context"] == bf16 * (
         math.prod(shapes["context_proj.weight"])

@@ -115,7 +115,7 @@ def make_batch(
     )
     anchors = torch.randint(0, config.vocab_size, (len(context_lens),), generator=generator)
     # Physical blocks shuffled across requests and shared by nobody: exercises the paged gather.
-    pages = [-(-(n + config.block_size) // block_size) for n in context_lens]
+    pages = [-(-(n + config.draft_block_size) // block_size) for n in context_lens]
     physical = torch.randperm(sum(pages), generator=generator, dtype=torch.int32)
     block_table = torch.zeros(len(context_lens), max(pages), dtype=torch.int32)
     for r, (start, count) in enumerate(zip([sum(pages[:i]) for i in range(len(pages))], pages)):
@@ -140,7 +140,7 @@ def run_block(served: Served, batch: Batch) -> torch.Tensor:
     from vllm_dspark.runtime.attention import LatentAttentionMetadata
 
     model, config = served.model, served.model.config
-    n = config.block_size
+    n = config.draft_block_size
     input_ids = torch.cat(
         [torch.tensor([int(a)] + [config.mask_token_id] * (n - 1)) for a in batch.anchors]
     )
@@ -243,7 +243,7 @@ def assert_hooks_match_reference(
 
     # forward: the non-causal block over the pages (attention included)
     hidden = run_block(served, batch)
-    n = config.block_size
+    n = config.draft_block_size
     expected_hidden = reference.block_hidden(
         batch.anchors, expected_kv, batch.block_positions(n), context_mask=context_mask
     )

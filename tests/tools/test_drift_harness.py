@@ -247,7 +247,7 @@ def test_cell_inputs_are_pinned(tiny_checkpoint, regime):
     config, reference, _ = load_reference(spec.model, target=spec.target)
     blocks = make_blocks(spec, config, reference)
     assert spec.all_positions() == [t, position]
-    n, layers, width = config.block_size, config.num_target_layers, config.target_hidden_size
+    n, layers, width = config.draft_block_size, config.num_target_layers, config.target_hidden_size
     for p in spec.all_positions():
         cell = list(batches(spec, config, blocks, regime, p))
         assert [b.ids.tolist() for b in cell] == [[0, 1, 2], [3, 4]]

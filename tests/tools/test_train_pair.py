@@ -100,7 +100,7 @@ def test_tiny_pair_loads_everywhere(tiny_runs) -> None:
     heldout = (out / "heldout_files.txt").read_text().split()
     assert prompts and all(p["file"] in heldout for p in prompts)
     check = tp.greedy_acceptance(target.eval(), drafter, prompts[:1], 8)
-    assert check["steps"] >= 1 and 1.0 <= check["tau"] <= drafter.config.block_size + 1
+    assert check["steps"] >= 1 and 1.0 <= check["tau"] <= drafter.config.draft_block_size + 1
     assert log["versions"]["torch"] == torch.__version__
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -123,7 +123,7 @@ def test_training_pass_equals_the_serving_pass_per_block(tiny_checkpoint) -> Non
             alone = drafter.block_hidden(
                 ids[b, anchor][None],
                 context_kv[:, b : b + 1, :anchor],
-                torch.arange(anchor, anchor + config.block_size)[None],
+                torch.arange(anchor, anchor + config.draft_block_size)[None],
             )
             torch.testing.assert_close(together[b, a], alone[0], rtol=1e-5, atol=1e-5)
 

@@ -155,7 +155,7 @@ def test_skewed_drafter_at_a_long_context_matches_the_fp32_reference(drafters) -
     assert config.logit_scale != 1.0 and rope["mscale"] != rope["mscale_all_dim"]
     batch = make_batch(config, **LONG_CONTEXT)
     assert (
-        int(batch.block_positions(config.block_size).min(dim=1).values[1])
+        int(batch.block_positions(config.draft_block_size).min(dim=1).values[1])
         > rope["original_max_position_embeddings"]
     )
     assert_hooks_match_reference(served_skewed, reference_skewed, batch=batch, **FP32_TOL)
@@ -181,7 +181,7 @@ def test_drafted_block_matches_the_reference_draft(
         model.combine_hidden_states(batch.aux), batch.context_positions, batch.context_slots
     )
     hidden = run_block(served, batch)
-    num_requests, n = len(batch.context_lens), config.block_size
+    num_requests, n = len(batch.context_lens), config.draft_block_size
     seeds = torch.tensor([11, 12])
     block_positions = batch.block_positions(n)
     rollout = markov_rollout(

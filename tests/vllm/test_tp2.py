@@ -59,7 +59,7 @@ def _rank(rank: int, port: int, target: Path, checkpoint: Path, out: Path) -> No
         model.combine_hidden_states(batch.aux), batch.context_positions, batch.context_slots
     )
     hidden = run_block(served, batch)
-    n = config.block_size
+    n = config.draft_block_size
     rollout = markov_rollout(
         model.compute_draft_logits(hidden).view(-1, n, config.vocab_size),
         batch.anchors,

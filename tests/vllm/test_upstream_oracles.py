@@ -170,7 +170,7 @@ def test_vllm_speculator_drafts_what_the_reference_drafts(
     speculator.use_confidence_head = speculator.model.model.confidence_head is not None
     assert speculator.use_confidence_head
     model, config = speculator.model, speculator.model.config
-    n = config.block_size
+    n = config.draft_block_size
     assert speculator.num_speculative_steps == speculator.num_query_per_req == n
 
     batch = make_batch(config, seed=2, context_lens=(5, 33000), block_size=64)

@@ -361,7 +361,7 @@ def run(spec: AcceptSpec) -> dict[str, Any]:
                     "variant": label,
                     "mode": mode,
                     "source": source_v,
-                    **summarize(records, config.block_size, spec.resamples, spec.seed),
+                    **summarize(records, config.draft_block_size, spec.resamples, spec.seed),
                     "seconds": time.perf_counter() - t0,
                 }
                 if baseline:
@@ -381,7 +381,7 @@ def run(spec: AcceptSpec) -> dict[str, Any]:
             "temperature": spec.temperature,
             "scheduled": spec.scheduled,
             "token_cost": spec.token_cost,
-            "block_size": config.block_size,
+            "block_size": config.draft_block_size,
             "target_layer_ids": list(config.target_layer_ids),
             "seed": spec.seed,
             "resamples": spec.resamples,

@@ -103,7 +103,7 @@ def batches(
     spec: EvalSpec, config: K3DSparkConfig, blocks: Blocks, regime: str, position: int
 ) -> Iterator[Batch]:
     """The blocks of one (regime, anchor position) cell in fixed batches, on ``spec.device``."""
-    t, n = spec.context_len, config.block_size
+    t, n = spec.context_len, config.draft_block_size
     dev = spec.device
     for start in range(0, spec.blocks, spec.batch_size):
         ids = np.arange(start, min(start + spec.batch_size, spec.blocks))
@@ -324,7 +324,7 @@ def validate(spec: EvalSpec, config: K3DSparkConfig) -> None:
     labels = [variant_label(v) for v in spec.variants]
     if len(set(labels)) != len(labels):
         raise ValueError(f"variant labels must be unique, got {labels}")
-    top = config.max_position_embeddings - config.block_size
+    top = config.max_position_embeddings - config.draft_block_size
     bad = [p for p in spec.positions if not spec.context_len <= p <= top]
     if bad:
         raise ValueError(
@@ -362,7 +362,7 @@ def run(spec: EvalSpec) -> dict[str, Any]:
             for regime, position in cells:
                 cell_batches = batches(spec, config, blocks, regime, position)
                 spill = spill_root / f"reference-{regime}-{position}.npy"
-                shape = (spec.blocks, config.block_size, config.vocab_size)
+                shape = (spec.blocks, config.draft_block_size, config.vocab_size)
                 ref_cells[regime, position] = reference_cell(
                     reference, timed_batches(cell_batches, reference_pass), spill, shape, bar
                 )
@@ -433,7 +433,7 @@ def run(spec: EvalSpec) -> dict[str, Any]:
             "regimes": list(spec.regimes),
             "positions": spec.all_positions(),
             "recipe": list(spec.include_layers),
-            "block_size": config.block_size,
+            "block_size": config.draft_block_size,
             "corpus_source": blocks.source,
             "original_max_position_embeddings": config.rope_parameters.get(
                 "original_max_position_embeddings"

@@ -255,7 +255,7 @@ def drafter_loss(drafter, target, ids: torch.Tensor, anchors: torch.Tensor) -> d
 
     config = drafter.config
     batch, length = ids.shape
-    block = config.block_size
+    block = config.draft_block_size
     target_logits, aux = target_states(
         target, ids, config.target_layer_ids, aux_dtype=torch.float32
     )
@@ -318,7 +318,11 @@ def train_drafter(drafter, target, stream, sizes, generator, deadline: float, pr
     def batch_loss() -> dict[str, torch.Tensor]:
         ids = windows(stream, sizes.batch_size, sizes.seq_len, generator)
         anchors = sample_anchors(
-            sizes.batch_size, sizes.seq_len, sizes.anchors, drafter.config.block_size, generator
+            sizes.batch_size,
+            sizes.seq_len,
+            sizes.anchors,
+            drafter.config.draft_block_size,
+            generator,
         )
         out = drafter_loss(drafter, target, ids, anchors)
         # Greedy tau of a block under teacher forcing: 1 + its accepted prefix.
@@ -335,7 +339,7 @@ def greedy_acceptance(target, drafter, prompts: list[dict], new_tokens: int) -> 
     The target's greedy continuation is decoded first; each step drafts a block from the target's aux
     states before the anchor and accepts the prefix that equals the continuation, as a greedy verifier would.
     """
-    block = drafter.config.block_size
+    block = drafter.config.draft_block_size
     accepted_lengths, slot_hits, slot_tries = [], [0] * block, [0] * block
     for prompt in prompts:
         seq = torch.tensor([prompt["token_ids"]])
@@ -579,7 +583,7 @@ def _readme(log: dict, config, prompts: list[dict]) -> str:
         hidden=sizes["hidden_size"],
         vocab=log["data"]["vocab_size"],
         draft_layers=sizes["draft_layers"],
-        block=config.block_size,
+        block=config.draft_block_size,
         aux=config.target_layer_ids,
         mask=config.mask_token_id,
         python=log["versions"]["python"],

@@ -403,7 +403,7 @@ class ReferenceDrafter(nn.Module):
     def block_input_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """``[B]`` -> ``[B, N]``: the anchor followed by ``block_size - 1`` mask tokens."""
         masks = anchor_ids.new_full(
-            (anchor_ids.shape[0], self.config.block_size - 1), self.config.mask_token_id
+            (anchor_ids.shape[0], self.config.draft_block_size - 1), self.config.mask_token_id
         )
         return torch.cat([anchor_ids[:, None], masks], dim=1)
 
@@ -452,7 +452,7 @@ class ReferenceDrafter(nn.Module):
         context before its anchor and its own slots, never another block (DeepSpec's DSpark mask).
         """
         batch, num_anchors = anchor_positions.shape
-        block, length = self.config.block_size, token_ids.shape[1]
+        block, length = self.config.draft_block_size, token_ids.shape[1]
         anchors = token_ids.gather(1, anchor_positions)
         ids = self.block_input_ids(anchors.flatten()).view(batch, num_anchors * block)
         device = token_ids.device
@@ -554,7 +554,7 @@ class ReferenceDrafter(nn.Module):
                 .max(1)
                 .values
             )
-        offsets = torch.arange(1, self.config.block_size + 1, device=last.device)
+        offsets = torch.arange(1, self.config.draft_block_size + 1, device=last.device)
         block_positions = last[:, None] + offsets
 
         context = self.combine_hidden_states(aux)
@@ -616,11 +616,11 @@ class ReferenceDrafter(nn.Module):
                 f"{context_positions.dtype} {tuple(context_positions.shape)}."
             )
         # The block runs to last + block_size, which must stay inside the rotary table.
-        top = c.max_position_embeddings - c.block_size
+        top = c.max_position_embeddings - c.draft_block_size
         if bool(((context_positions < 0) | (context_positions >= top)).any()):
             raise ValueError(
                 f"context_positions must lie in [0, {top}) (max_position_embeddings "
-                f"{c.max_position_embeddings} - block_size {c.block_size}, so the block fits), got "
+                f"{c.max_position_embeddings} - block_size {c.draft_block_size}, so the block fits), got "
                 f"values from {int(context_positions.min())} to {int(context_positions.max())}."
             )
         if seeds is not None and (seeds.is_floating_point() or seeds.dtype == torch.bool):
