@@ -112,3 +112,12 @@ def skewed_checkpoint(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory)
         )
 
     return variant(tiny_checkpoint, tmp_path_factory.mktemp("skewed") / "drafter", skew)
+
+
+@pytest.fixture(scope="session")
+def variant_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """``{name: drafter dir}`` of ``tests.support.checkpoints.TINY_VARIANTS``, each written once."""
+    from tests.support.checkpoints import TINY_VARIANTS, random_variant
+
+    root = tmp_path_factory.mktemp("variants")
+    return {name: random_variant(root / name, name) for name in TINY_VARIANTS}

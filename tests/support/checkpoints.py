@@ -47,3 +47,35 @@ def tensor_digest(t: torch.Tensor) -> str:
     """A tensor's dtype, shape and the sha256 of its bytes, in one string."""
     raw = t.contiguous().reshape(-1).view(dtype=torch.uint8).numpy().tobytes()
     return f"{t.dtype} {list(t.shape)} {hashlib.sha256(raw).hexdigest()}"
+
+
+# The published variants at the ``tiny`` preset's sizes: Block5 / K3.1-Pro (causal; K3.1 ships no
+# embed_tokens.weight) and lightseekorg's (per-tap fc_norm).
+TINY_VARIANTS: dict[str, dict[str, Any]] = {
+    "causal": {"is_causal": True, "block_size": 5},
+    "no-embed": {"is_causal": True, "block_size": 7},
+    "fc-norm": {"fc_norm": True, "aux_hidden_stream": "attn_res"},
+}
+
+
+def random_variant(out: Path, name: str, *, seed: int = 0) -> Path:
+    """A random ``tiny`` drafter of variant ``name`` (:data:`TINY_VARIANTS`) with its target heads,
+    written through the project's own writers in the published layout."""
+    from vllm_dspark.checkpoint.layout import TARGET_HEADS
+    from vllm_dspark.checkpoint.presets import preset_config_json
+    from vllm_dspark.checkpoint.save import save_drafter
+    from vllm_dspark.checkpoint.st_io import save_tensors
+    from vllm_dspark.checkpoint.store import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY
+    from vllm_dspark.checkpoint_tools.make_random import random_drafter_tensors, random_lm_head
+    from vllm_dspark.config import K3DSparkConfig
+
+    config_json = {**preset_config_json("tiny"), **TINY_VARIANTS[name]}
+    config = K3DSparkConfig(**config_json)
+    tensors = dict(random_drafter_tensors(config, seed=seed))
+    embed = tensors["embed_tokens.weight"]
+    if name == "no-embed":
+        del tensors["embed_tokens.weight"]
+    save_drafter(out, config_json, list(tensors.items()))
+    lm_head = random_lm_head(config, seed=seed)
+    save_tensors(out / TARGET_HEADS, {TARGET_EMBED_KEY: embed, TARGET_LM_HEAD_KEY: lm_head})
+    return out

@@ -29,16 +29,17 @@ def schema() -> facts.VllmSchema:
 
 @pytest.fixture(scope="module")
 def drafter() -> dict[str, Any]:
-    return preset_config_json(
-        "tiny"
-    )  # block_size 7, confidence head, target: hidden 64, 8 layers, vocab 512
+    # A stated block of 7, confidence head, target: hidden 64, 8 layers, vocab 512.
+    return dict(preset_config_json("tiny"), block_size=7)
 
 
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.support.checkpoints import edit_config
     from vllm_dspark.checkpoint_tools.make_random import make_random
 
-    return make_random(tmp_path_factory.mktemp("doctor") / "tiny", "tiny", progress=False)
+    out = make_random(tmp_path_factory.mktemp("doctor") / "tiny", "tiny", progress=False)
+    return edit_config(out, block_size=7)
 
 
 def spec(**overrides: Any) -> dict[str, Any]:
@@ -81,6 +82,67 @@ def test_leaving_num_speculative_tokens_out_is_fine(drafter) -> None:
         only(diagnose(spec(num_speculative_tokens=None), drafter=drafter), "num_speculative_tokens")
         == []
     )
+
+
+def test_no_block_anywhere_is_an_error_that_names_seven() -> None:
+    """The published config.json states no block_size: vLLM then has nothing to draft with."""
+    published = preset_config_json("k3")
+    [f] = only(
+        diagnose(spec(num_speculative_tokens=None), drafter=published), "num_speculative_tokens"
+    )
+    assert f.severity == "error" and "no block_size" in f.problem
+    assert '"num_speculative_tokens": 7' in f.fix
+    assert only(diagnose(spec(), drafter=published), "num_speculative_tokens") == []
+
+
+@pytest.mark.parametrize(("causal", "severity"), [(False, "warning"), (True, "note")])
+def test_another_block_without_a_stated_one_is_said(causal: bool, severity: str) -> None:
+    drafter = dict(preset_config_json("k3"), is_causal=causal)
+    [f] = only(diagnose(spec(num_speculative_tokens=5), drafter=drafter), "num_speculative_tokens")
+    assert f.severity == severity and "drafts 5-token blocks" in f.problem
+
+
+def test_a_causal_drafter_may_draft_fewer_tokens_than_its_block() -> None:
+    block5 = preset_config_json("block5-small")
+    findings = diagnose(spec(num_speculative_tokens=3), drafter=block5)
+    assert only(findings, "num_speculative_tokens") == []
+
+
+# ----- aux_hidden_stream vs VLLM_KIMI_K3_AUX_ATTN_RES_STREAM -----
+
+ATTN_RES = dict(preset_config_json("fc-norm-small"))  # aux_hidden_stream: attn_res
+
+
+@pytest.mark.parametrize(
+    ("drafter", "env", "pp", "severity", "needle"),
+    [
+        (ATTN_RES, None, 1, "note", "=1 is set for this engine"),
+        (ATTN_RES, "1", 1, None, ""),
+        (ATTN_RES, "0", 1, "error", "unset VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"),
+        (ATTN_RES, "yes", 1, "error", "not an integer"),
+        (ATTN_RES, None, 2, "error", "--pipeline-parallel-size 1"),
+        (preset_config_json("tiny"), "1", 1, "error", "residual prefix stream"),
+        (preset_config_json("tiny"), "0", 1, None, ""),
+    ],
+    ids=["set", "already-1", "conflict-0", "not-int", "pp", "prefix-drafter-env-1", "prefix-0"],
+)
+def test_aux_hidden_stream_against_the_environment(
+    schema, drafter, env, pp: int, severity, needle: str
+) -> None:
+    engine = EngineFacts(aux_stream_env=env, pipeline_parallel_size=pp)
+    found = only(
+        diagnose(spec(), drafter=drafter, engine=engine, schema=schema), "aux_hidden_stream"
+    )
+    assert [f.severity for f in found] == ([severity] if severity else [])
+    assert all(needle in f.problem + f.fix for f in found)
+
+
+def test_a_vllm_without_the_attn_res_stream_is_refused(schema) -> None:
+    import dataclasses
+
+    old = dataclasses.replace(schema, env_vars=frozenset())
+    [f] = only(diagnose(spec(), drafter=ATTN_RES, schema=old), "aux_hidden_stream")
+    assert f.severity == "error" and "cannot provide" in f.problem
 
 
 # ----- num_speculative_tokens vs block_size -----
@@ -451,14 +513,18 @@ def test_the_broken_vllm_command_of_the_cpu_build_is_named_with_the_working_entr
 
 
 def test_cli_flags_a_broken_checkpoint(capsys, drafter_dir, tmp_path) -> None:
+    from vllm_dspark.checkpoint.st_io import read_tensor, save_tensors
+    from vllm_dspark.checkpoint.store import stored_tensors
+
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((drafter_dir / "config.json").read_text())
-    index = json.loads((drafter_dir / "model.safetensors.index.json").read_text())
-    shard = next(iter(set(index["weight_map"].values())))
-    (broken / shard).write_bytes((drafter_dir / shard).read_bytes())
-    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if "markov_w2" not in k}
-    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    kept = {
+        key: read_tensor(t.path, key)
+        for key, t in stored_tensors(drafter_dir).items()
+        if "markov_w2" not in key
+    }
+    save_tensors(broken / "model.safetensors", kept)
     rc, out = run_cli(
         capsys, "-sc", json.dumps(spec(model=str(broken))), "--compute-capability", "10.0"
     )
@@ -642,6 +708,29 @@ def test_hook_lets_a_correct_config_through(tiny_mla_target, drafter_dir) -> Non
     )
     assert sc.method == "dspark" and sc.num_speculative_tokens == 7
     assert type(sc.draft_model_config.hf_config).__module__ == "vllm_dspark.config"
+
+
+@pytest.mark.vllm_api
+def test_hook_turns_on_the_attn_res_stream_and_refuses_a_conflict(
+    tiny_mla_target, variant_checkpoints, monkeypatch
+) -> None:
+    """A drafter that reads the attn_res stream gets it before the target loads, unless the
+    environment asks for the other stream, which is refused."""
+    drafter = str(variant_checkpoints["fc-norm"])  # aux_hidden_stream: attn_res
+    # setenv first, so that teardown removes whatever the hook set.
+    monkeypatch.setenv(facts.AUX_STREAM_ENV, "1")
+    monkeypatch.delenv(facts.AUX_STREAM_ENV)
+    sc = build_spec_config(
+        engine_args(tiny_mla_target, spec(model=drafter, attention_backend="TRITON_MLA"))
+    )
+    assert sc.draft_model_config.hf_config.aux_hidden_stream == "attn_res"
+    import vllm.envs as envs
+
+    assert envs.VLLM_KIMI_K3_AUX_ATTN_RES_STREAM is True
+    monkeypatch.setenv(facts.AUX_STREAM_ENV, "0")
+    args = engine_args(tiny_mla_target, spec(model=drafter, attention_backend="TRITON_MLA"))
+    with pytest.raises(ValueError, match="AUX_ATTN_RES_STREAM=0"):
+        build_spec_config(args)
 
 
 @pytest.mark.vllm_api

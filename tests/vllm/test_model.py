@@ -148,6 +148,24 @@ def test_every_hook_matches_the_fp32_reference(served: Served, reference) -> Non
     assert_hooks_match_reference(served, reference, **FP32_TOL)
 
 
+@pytest.mark.parametrize("name", ["causal", "no-embed", "fc-norm"])
+def test_published_variants_match_the_fp32_reference(
+    tiny_mla_target: Path, variant_checkpoints, name: str
+) -> None:
+    """Causal blocks (Block5, K3.1-Pro), no stored embedding (K3.1-Pro) and per-tap fc_norm
+    (lightseekorg) load through vLLM's dspark loader and compute as the reference does."""
+    from vllm_dspark.reference.drafter import ReferenceDrafter
+
+    path = variant_checkpoints[name]
+    served, reference = load_drafter(tiny_mla_target, path), ReferenceDrafter.from_pretrained(path)
+    config = served.model.config
+    assert config.causal is (name != "fc-norm") and config.fc_norm is (name == "fc-norm")
+    assert_hooks_match_reference(served, reference, **FP32_TOL)
+    if name == "fc-norm":
+        norms = served.model.model.fc_norm
+        assert len(norms) == config.num_target_layers and not norms[0].weight.eq(1).all()
+
+
 def test_skewed_drafter_at_a_long_context_matches_the_fp32_reference(drafters) -> None:
     served_skewed, reference_skewed = drafters("skewed_checkpoint")
     config = served_skewed.model.config

@@ -36,8 +36,10 @@ LAYER_KINDS: tuple[str, ...] = (
 
 # Modules outside the layers. ``embed_tokens`` is the target's embedding, shipped in the drafter
 # checkpoint for convenience; the served model shares the target's instead of loading it.
+# ``fc_norm`` (one RMSNorm per target tap, ``fc_norm.{i}``) exists only where config.json says fc_norm.
 GLOBAL_KINDS: tuple[str, ...] = (
     "embed_tokens",
+    "fc_norm",
     "context_proj",
     "context_norm",
     "final_norm",
@@ -114,7 +116,11 @@ ABSORBED_KINDS: tuple[str, ...] = ("self_attn.kv_b_proj",)
 # Named --include-layers choices: the published build's set, and ModelOpt's (every linear but the heads).
 MODULE_SETS: dict[str, tuple[str, ...]] = {"recipe": FP8_RECIPE, "modelopt": QUANTIZABLE_KINDS}
 
+# Tensors a checkpoint may leave out: Kimi-K3.1-Pro-DSpark-preview ships no embedding (the target's is used).
+OPTIONAL_KEYS = frozenset({"embed_tokens.weight"})
+
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_TAP_RE = re.compile(r"^fc_norm\.\d+$")
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,8 @@ def module_kind(name: str) -> str:
     """
     if name.startswith("model."):
         name = name[len("model.") :]
+    if _TAP_RE.match(name):
+        return "fc_norm"
     m = _LAYER_RE.match(name)
     return m.group(2) if m else name
 
@@ -199,6 +207,7 @@ def checkpoint_modules(config: "K3DSparkConfig") -> list[ModuleSpec]:
     confidence_in = h + (c.markov_rank if c.confidence_head_with_markov else 0)
     globals_: dict[str, tuple[Role, tuple[int, ...], bool]] = {
         "embed_tokens": ("embedding", (c.vocab_size, h), False),
+        "fc_norm": ("norm", (c.target_hidden_size,), False),
         "context_proj": ("linear", (h, c.target_hidden_size * c.num_target_layers), False),
         "context_norm": ("norm", (h,), False),
         "final_norm": ("norm", (h,), False),
@@ -207,9 +216,13 @@ def checkpoint_modules(config: "K3DSparkConfig") -> list[ModuleSpec]:
         "confidence_head.proj": ("linear", (1, confidence_in), True),
     }
     assert tuple(globals_) == GLOBAL_KINDS
-    specs = [
-        ModuleSpec(k, k, *globals_[k]) for k in ("embed_tokens", "context_proj", "context_norm")
-    ]
+    specs = [ModuleSpec("embed_tokens", "embed_tokens", *globals_["embed_tokens"])]
+    if c.fc_norm:
+        specs += [
+            ModuleSpec(f"fc_norm.{i}", "fc_norm", *globals_["fc_norm"])
+            for i in range(c.num_target_layers)
+        ]
+    specs += [ModuleSpec(k, k, *globals_[k]) for k in ("context_proj", "context_norm")]
     for i in range(c.num_hidden_layers):
         specs += [
             ModuleSpec(f"layers.{i}.{k}", k, role, shape) for k, (role, shape) in per_layer.items()
@@ -219,6 +232,16 @@ def checkpoint_modules(config: "K3DSparkConfig") -> list[ModuleSpec]:
         tail.append("confidence_head.proj")
     specs += [ModuleSpec(k, k, *globals_[k]) for k in tail]
     return specs
+
+
+def stored_modules(config: "K3DSparkConfig", keys: Iterable[str]) -> list[ModuleSpec]:
+    """:func:`checkpoint_modules` less the optional ones whose weight is not among ``keys``."""
+    keys = set(keys)
+    return [
+        s
+        for s in checkpoint_modules(config)
+        if f"{s.name}.weight" in keys or f"{s.name}.weight" not in OPTIONAL_KEYS
+    ]
 
 
 def tensor_shapes(config: "K3DSparkConfig") -> dict[str, tuple[int, ...]]:

@@ -28,6 +28,7 @@ from vllm_dspark.checkpoint.layout import (
     ModuleSpec,
     checkpoint_modules,
     fused_module_groups,
+    stored_modules,
     tensor_shapes,
 )
 from vllm_dspark.checkpoint.quant_plan import QuantPlanError
@@ -154,7 +155,7 @@ def _plan(model_dir: Path, fmt: str, include_layers: Sequence[str], encoding: st
         config=config,
     )
     items = []
-    for spec in checkpoint_modules(config):
+    for spec in stored_modules(config, stored):
         key = f"{spec.name}.weight"
         items.append(
             _Item(key, stored[key], spec, fmt, encoding)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from vllm_dspark.compat import DRAFT_ATTENTION_BACKENDS, SPECIALIZED_DECODE, SPECIALIZED_DRAFTER
 from vllm_dspark.compat import check_vllm_version as gate
-from vllm_dspark.doctor.facts import EngineFacts, MachineFacts, VllmSchema
-from vllm_dspark.fields import ARCHITECTURE, MODEL_TYPE
+from vllm_dspark.doctor.facts import AUX_STREAM_ENV, EngineFacts, MachineFacts, VllmSchema
+from vllm_dspark.fields import ARCHITECTURE, DEFAULT_DRAFT_BLOCK, MODEL_TYPE, block_is_causal
 from vllm_dspark.findings import Finding, FindingError, Severity, most_severe_first, within
 from vllm_dspark.version import SUPPORTED_VLLM, VLLM_CPU_BUILD, VLLM_GPU_BUILD, pin
 
@@ -152,17 +153,42 @@ def check_num_speculative_tokens(
 ) -> list[Finding]:
     n = spec.get("num_speculative_tokens")
     block = _block_size(drafter)
+    causal = drafter is not None and block_is_causal(SimpleNamespace(**drafter))
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         return [
             Finding(
                 f"must be a positive integer, got {n!r}",
-                f'set "num_speculative_tokens": {block or 7}',
+                f'set "num_speculative_tokens": {block or DEFAULT_DRAFT_BLOCK}',
                 "num_speculative_tokens",
             )
         ]
-    if n is None or block is None:
+    if n is None and block is None:
+        if not is_k3_drafter(drafter):
+            return []
+        return [
+            Finding(
+                "is not set and the drafter's config.json states no block_size (as the published "
+                "Kimi-K3-DSpark's does not): vLLM has no block length to draft",
+                f'set "num_speculative_tokens": {DEFAULT_DRAFT_BLOCK} (the block Kimi-K3-DSpark was trained on)',
+                "num_speculative_tokens",
+            )
+        ]
+    if block is None:
+        if n == DEFAULT_DRAFT_BLOCK:
+            return []
+        return [
+            Finding(
+                f"{n}: the drafter states no block_size, so vLLM drafts {n}-token blocks, but the "
+                f"published Kimi-K3-DSpark drafters were trained on {DEFAULT_DRAFT_BLOCK}"
+                + ("" if causal else " (a non-causal block of another length drafts garbage)"),
+                f'set "num_speculative_tokens": {DEFAULT_DRAFT_BLOCK}, unless this drafter was trained on {n}',
+                "num_speculative_tokens",
+                "note" if causal else "warning",
+            )
+        ]
+    if n is None:
         return []  # vLLM defaults N to the drafter's block_size, which is right
-    if n < block:
+    if n < block and not causal:
         return [
             Finding(
                 f"{n} is below the drafter's block_size {block}: the "
@@ -181,6 +207,72 @@ def check_num_speculative_tokens(
                 f'set "num_speculative_tokens": {block}',
                 "num_speculative_tokens",
                 "warning",
+            )
+        ]
+    return []
+
+
+def check_aux_hidden_stream(
+    drafter: Mapping[str, Any] | None, engine: EngineFacts, schema: VllmSchema | None
+) -> list[Finding]:
+    """The Kimi-K3 target's aux stream (``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM``) against the one the drafter reads."""
+    wants = (drafter or {}).get("aux_hidden_stream") or "prefix"
+    raw = engine.aux_stream_env
+    try:  # vLLM reads it as bool(int(value))
+        explicit = None if raw is None else bool(int(raw))
+    except ValueError:
+        return [
+            Finding(
+                f"{AUX_STREAM_ENV}={raw!r} is not an integer, and vLLM reads it as one",
+                f"unset {AUX_STREAM_ENV}, or set it to 0 or 1",
+                "aux_hidden_stream",
+            )
+        ]
+    if wants == "prefix":
+        if explicit:
+            return [
+                Finding(
+                    f"{AUX_STREAM_ENV}=1 feeds the drafter AttnRes mixtures, but it was trained on the "
+                    "residual prefix stream (config.json has no aux_hidden_stream: attn_res)",
+                    f"unset {AUX_STREAM_ENV}",
+                    "aux_hidden_stream",
+                )
+            ]
+        return []
+    if schema is not None and AUX_STREAM_ENV not in schema.env_vars:
+        return [
+            Finding(
+                f"the drafter reads the target's attn_res aux stream, which vLLM {schema.version} "
+                f"cannot provide (it has no {AUX_STREAM_ENV})",
+                "serve with vLLM 0.32 or newer",
+                "aux_hidden_stream",
+            )
+        ]
+    if explicit is False:
+        return [
+            Finding(
+                f"{AUX_STREAM_ENV}=0, but the drafter reads the target's attn_res aux stream",
+                f"unset {AUX_STREAM_ENV} (the plugin sets it to 1 for this drafter) or set it to 1",
+                "aux_hidden_stream",
+            )
+        ]
+    if engine.pipeline_parallel_size > 1:
+        return [
+            Finding(
+                "the drafter reads the target's attn_res aux stream, which cannot end a non-final "
+                "pipeline stage (vLLM refuses the combination)",
+                "serve with --pipeline-parallel-size 1",
+                "aux_hidden_stream",
+            )
+        ]
+    if explicit is None:
+        return [
+            Finding(
+                f"the drafter reads the target's attn_res aux stream: {AUX_STREAM_ENV}=1 is set for "
+                "this engine",
+                "",
+                "aux_hidden_stream",
+                "note",
             )
         ]
     return []
@@ -836,6 +928,8 @@ def diagnose(
     if is_k3_drafter(drafter):
         findings += check_drafter_config(drafter)
     findings += check_num_speculative_tokens(spec, drafter)
+    if is_k3_drafter(drafter):
+        findings += check_aux_hidden_stream(drafter, engine, schema)
     findings += check_sampling(spec, schema, engine, drafter)
     dsa = is_dsa_target(target)
     findings += check_kv_cache_dtype(spec, engine, schema, dsa)

@@ -15,6 +15,9 @@ from typing import Any, Literal
 
 from vllm_dspark.findings import Finding
 
+# The Kimi-K3 target's switch from the residual-prefix aux stream to AttnRes's mixture (process-wide).
+AUX_STREAM_ENV = "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"
+
 
 @dataclass(frozen=True)
 class EngineFacts:
@@ -32,6 +35,8 @@ class EngineFacts:
     decode_backend: str = (
         "auto"  # --additional-config decode_backend (Kimi-K3's specialized decode)
     )
+    # VLLM_KIMI_K3_AUX_ATTN_RES_STREAM as the environment holds it (None: unset)
+    aux_stream_env: str | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class VllmSchema:
     rejection_sample_methods: frozenset[str]
     cache_dtypes: frozenset[str]
     attention_backends: frozenset[str]
+    env_vars: frozenset[str] = frozenset()  # the names vllm.envs knows
 
 
 def vllm_schema() -> VllmSchema:
@@ -68,6 +74,7 @@ def vllm_schema() -> VllmSchema:
     from typing import get_args
 
     import vllm
+    import vllm.envs as vllm_envs
     from vllm.config import SpeculativeConfig
     from vllm.config import speculative as spec_module
     from vllm.config.cache import CacheDType
@@ -81,6 +88,7 @@ def vllm_schema() -> VllmSchema:
         rejection_sample_methods=frozenset(get_args(spec_module.RejectionSampleMethod)),
         cache_dtypes=frozenset(get_args(CacheDType)),
         attention_backends=frozenset(AttentionBackendEnum.__members__),
+        env_vars=frozenset(vllm_envs.environment_variables),
     )
 
 
@@ -278,6 +286,7 @@ def engine_facts(engine_args: Any) -> EngineFacts:
         enable_lora=bool(engine_args.enable_lora),
         pipeline_parallel_size=engine_args.pipeline_parallel_size,
         max_num_seqs=engine_args.max_num_seqs,
+        aux_stream_env=os.environ.get(AUX_STREAM_ENV),
     )
 
 

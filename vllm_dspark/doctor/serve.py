@@ -17,6 +17,7 @@ from vllm_dspark.doctor.checks import (
     is_k3_drafter,
 )
 from vllm_dspark.doctor.facts import (
+    AUX_STREAM_ENV,
     engine_facts,
     read_drafter_config,
     resolve_drafter,
@@ -132,3 +133,6 @@ def _run_hook_checks(
         # The checkpoint itself (shards, quantization plan, tensors) from headers and scales only.
         findings += check_checkpoint_findings(path)
     enforce(findings, init_logger("vllm.vllm_dspark"))
+    if drafter.get("aux_hidden_stream") == "attn_res":
+        # Before the target loads and its workers start: they inherit the environment.
+        os.environ.setdefault(AUX_STREAM_ENV, "1")

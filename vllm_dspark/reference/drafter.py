@@ -3,7 +3,7 @@
 
 It computes what vLLM's ``dspark`` speculator gets from ``K3DSparkForCausalLM`` with no vLLM kernel:
 the context latents (aux states -> ``context_proj`` -> per-layer ``kv_a_proj_with_mqa``), the block
-``[anchor, mask x (N-1)]`` through non-causal MLA + SwiGLU layers, then the heads (logits, the
+``[anchor, mask x (N-1)]`` through MLA (non-causal over the block, or causal where config.json says is_causal) + SwiGLU layers, then the heads (logits, the
 Markov rollout of :mod:`vllm_dspark.ops.sampling`, the confidence head). Attention exists in the naive
 form (latents up-projected by ``kv_b_proj``) and the absorbed one the GPU kernels run; they must
 agree. Module and parameter names mirror the checkpoint, so ``state_dict()`` keys are the HF keys.
@@ -82,7 +82,7 @@ class RMSNorm(nn.Module):
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """K3 MLA with q-LoRA and RoPE on the 64-wide ``pe`` parts, attending non-causally over latents."""
+    """K3 MLA with q-LoRA and RoPE on the 64-wide ``pe`` parts, attending over context and block latents."""
 
     def __init__(self, config: K3DSparkConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
@@ -261,6 +261,12 @@ class DraftOutput:
     block_positions: torch.Tensor  # [B, N] int64 positions last+1 .. last+N
 
 
+def block_key_mask(block: int, causal: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[N, N]`` bool: which block slots each slot attends to (all of them, or itself and earlier ones)."""
+    ones = torch.ones(block, block, dtype=torch.bool, device=device)
+    return ones.tril() if causal else ones
+
+
 class ReferenceDrafter(nn.Module):
     """The K3 DSpark drafter in plain PyTorch. Build it with :meth:`from_pretrained` or :meth:`from_state_dict`."""
 
@@ -273,6 +279,13 @@ class ReferenceDrafter(nn.Module):
         self.compute_dtype = compute_dtype
         rope = RotaryEmbedding.from_rope_parameters(c.rope_parameters, c.qk_rope_head_dim)
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
+        self.fc_norm = (
+            nn.ModuleList(
+                RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(c.num_target_layers)
+            )
+            if c.fc_norm
+            else None
+        )
         self.context_proj = Linear(c.target_hidden_size * c.num_target_layers, c.hidden_size)
         self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(c, rope) for _ in range(c.num_hidden_layers))
@@ -389,8 +402,13 @@ class ReferenceDrafter(nn.Module):
     # ----- the hooks vLLM's speculator calls, as pure tensor functions -----
 
     def combine_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:
-        """``[..., T, num_target_layers * target_hidden]`` -> ``[..., T, H]``: context_proj -> context_norm."""
-        return self.context_norm(self.context_proj(aux.to(self.compute_dtype)))
+        """``[..., T, num_target_layers * target_hidden]`` -> ``[..., T, H]``: [fc_norm per tap ->]
+        context_proj -> context_norm."""
+        aux = aux.to(self.compute_dtype)
+        if self.fc_norm is not None:
+            taps = aux.split(self.config.target_hidden_size, dim=-1)
+            aux = torch.cat([norm(tap) for norm, tap in zip(self.fc_norm, taps)], dim=-1)
+        return self.context_norm(self.context_proj(aux))
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[B, T, H]``, ``[B, T]`` -> ``[L, B, T, kv_lora_rank + rope]``: every layer's context latents.
@@ -434,8 +452,9 @@ class ReferenceDrafter(nn.Module):
         num_context = context_kv.shape[2]
         if context_mask is None:
             context_mask = torch.ones(batch, num_context, dtype=torch.bool, device=x.device)
+        own = block_key_mask(block, self.config.causal, x.device)  # [N, N]
         key_mask = torch.cat(
-            [context_mask.bool(), context_mask.new_ones(batch, block, dtype=torch.bool)], dim=1
+            [context_mask.bool()[:, None].expand(-1, block, -1), own.expand(batch, -1, -1)], dim=2
         )
         for layer, context_latent in zip(self.layers, context_kv):
             x = layer(x, block_positions, context_latent, key_mask, absorbed)
@@ -460,8 +479,9 @@ class ReferenceDrafter(nn.Module):
             batch, -1
         )
         context = torch.arange(length, device=device) < anchor_positions[..., None]  # [B, A, T]
-        own = torch.eye(num_anchors, dtype=torch.bool, device=device).repeat_interleave(block, 0)
-        own = own.repeat_interleave(block, 1).expand(batch, -1, -1)
+        own = torch.block_diag(
+            *[block_key_mask(block, self.config.causal, device)] * num_anchors
+        ).expand(batch, -1, -1)
         key_mask = torch.cat([context.repeat_interleave(block, 1), own], dim=2)
         x = self.embed_tokens(ids, self.compute_dtype)
         for layer, context_latent in zip(self.layers, context_kv):

@@ -46,7 +46,8 @@ class LatentAttentionMetadata:
 
     The query rows of request ``r`` are ``[query_start_loc[r], query_start_loc[r + 1])``; after
     their latents are written, positions ``0 .. seq_lens[r] - 1`` of the request are in the cache
-    and every query row attends to all of them (the DSpark block is non-causal).
+    and every query row attends to all of them (a non-causal block), or to those up to its own
+    position (a causal drafter's block).
     """
 
     query_start_loc: torch.Tensor  # [R + 1] int
@@ -71,7 +72,7 @@ def mla_rope_parameters(config: K3DSparkConfig) -> dict[str, Any]:
 
 
 class TorchLatentAttention(nn.Module):
-    """Kimi-K3 MLA (q-LoRA, RoPE, non-causal block) in plain torch over a paged latent cache.
+    """Kimi-K3 MLA (q-LoRA, RoPE, a non-causal or causal block) in plain torch over a paged latent cache.
 
     The stand-in for ``MultiHeadLatentAttention`` where that layer cannot run (see the module
     docstring). Keys and values are up-projected from the cached latents with ``kv_b_proj`` (the
@@ -106,6 +107,7 @@ class TorchLatentAttention(nn.Module):
         self.qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
         self.v_head_dim = c.v_head_dim
         self.head_size = c.kv_latent_dim
+        self.causal = c.causal
         self.scale = softmax_scale(self.qk_head_dim, c.rope_parameters)
         self.rotary_emb = get_rope(
             c.qk_rope_head_dim,
@@ -232,6 +234,9 @@ class TorchLatentAttention(nn.Module):
             # The rope part of the key is one MQA head shared by every query head.
             scores = torch.einsum("qhd,khd->hqk", q_nope[start:end], k_nope)
             scores = scores + torch.einsum("qhd,kd->hqk", q_pe[start:end], pe)
+            if self.causal:  # query row i is position seq_len - rows + i
+                rows = torch.arange(len(pos) - (end - start), len(pos), device=cache.device)
+                scores = scores.masked_fill(pos > rows[:, None], float("-inf"))
             probs = (scores.float() * self.scale).softmax(dim=-1).to(v.dtype)
             out[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
         return out.flatten(1)

@@ -276,6 +276,15 @@ class K3DSparkModel(nn.Module):
         self.config = c
         # The target's embedding, aliased by vLLM's load_dspark_model after loading.
         self.embed_tokens: nn.Module | None = None
+        # lightseekorg's drafter normalizes each target tap before context_proj (config fc_norm).
+        self.fc_norm = (
+            nn.ModuleList(
+                RMSNorm(c.target_hidden_size, eps=c.rms_norm_eps)
+                for _ in range(c.num_target_layers)
+            )
+            if c.fc_norm
+            else None
+        )
         self.context_proj = ReplicatedLinear(
             c.target_hidden_size * c.num_target_layers,
             c.hidden_size,
@@ -334,6 +343,9 @@ class K3DSparkModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.fc_norm is not None:
+            taps = hidden_states.split(self.config.target_hidden_size, dim=-1)
+            hidden_states = torch.cat([norm(t) for norm, t in zip(self.fc_norm, taps)], dim=-1)
         return self.context_norm(self.context_proj(hidden_states))
 
     def stack_context_kv_norms(self) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from vllm_dspark.checkpoint.layout import TARGET_HEADS
 from vllm_dspark.checkpoint.save import write_target_config
-from vllm_dspark.checkpoint.store import load_target_heads
+from vllm_dspark.checkpoint.store import load_config, load_target_heads
 from vllm_dspark.compat import configs_without_an_engine
 
 
@@ -56,9 +56,11 @@ def engine_config(
     tensor_parallel_size: int = 1,
     **speculative: Any,
 ):
-    """The real ``VllmConfig`` of serving ``target_dir`` with ``draft_dir`` as its dspark drafter."""
+    """The real ``VllmConfig`` of serving ``target_dir`` with ``draft_dir`` as its dspark drafter;
+    ``num_speculative_tokens`` defaults to the drafter's block (``block_size``, else 7)."""
     from vllm.engine.arg_utils import EngineArgs
 
+    speculative.setdefault("num_speculative_tokens", load_config(draft_dir).draft_block_size)
     args = EngineArgs(
         model=str(target_dir),
         skip_tokenizer_init=True,
