@@ -47,7 +47,7 @@ def _broken(checkpoints: dict[str, Path], which: str, tmp_path: Path) -> Path:
 
 
 def _edit_tensors(model_dir: Path, edit) -> None:
-    shard = next(model_dir.glob("model-*.safetensors"))
+    shard = next(model_dir.glob("model*.safetensors"))
     tensors = load_file(shard)
     edit(tensors)
     save_file(tensors, shard, metadata={"format": "pt"})
@@ -260,7 +260,7 @@ def test_truncated_shard_and_missing_config_are_problems_not_exceptions(
     checkpoints, tmp_path, capsys
 ) -> None:
     model_dir = _broken(checkpoints, "fp8", tmp_path)
-    shard = next(model_dir.glob("model-*.safetensors"))
+    shard = next(model_dir.glob("model*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-100])
     assert f"{shard} is not a readable safetensors file" in _problems(model_dir, capsys)
     (model_dir / "config.json").unlink()

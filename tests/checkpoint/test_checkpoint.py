@@ -49,10 +49,10 @@ def rewrite(src: Path, dst: Path, *, edit_tensors=None, edit_config=None) -> Pat
 def test_make_random_writes_the_real_layout(tiny_checkpoint: Path) -> None:
     config = load_config(tiny_checkpoint)
     assert json.loads((tiny_checkpoint / "config.json").read_text()) == preset_config_json("tiny")
-    index = json.loads((tiny_checkpoint / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(tensor_shapes(config))
-    assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
-    with safe_open(str(tiny_checkpoint / "model-00001-of-00001.safetensors"), "pt") as f:
+    # The published layout: one model.safetensors, no index (tests/checkpoint/test_published_layout.py).
+    assert not (tiny_checkpoint / "model.safetensors.index.json").exists()
+    with safe_open(str(tiny_checkpoint / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(tensor_shapes(config))
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     _, state_dict = load_drafter_state_dict(tiny_checkpoint)
     embed, lm_head = load_target_heads(tiny_checkpoint / "target")
@@ -81,7 +81,7 @@ def test_make_random_is_deterministic(tiny_checkpoint: Path, tmp_path: Path) -> 
     assert digest(again) == digest(tiny_checkpoint)
     other = make_random(tmp_path / "other", "tiny", seed=1, progress=False)
     assert digest(other)["config.json"] == digest(tiny_checkpoint)["config.json"]
-    shard = "model-00001-of-00001.safetensors"
+    shard = "model.safetensors"
     assert digest(other)[shard] != digest(tiny_checkpoint)[shard]
 
 
@@ -319,12 +319,8 @@ def test_index_and_shards_disagree(tiny_checkpoint: Path, tmp_path: Path) -> Non
 def test_unreadable_shard(tiny_checkpoint: Path, tmp_path: Path) -> None:
     broken = tmp_path / "c"
     shutil.copytree(tiny_checkpoint, broken)
-    (broken / "model-00001-of-00001.safetensors").write_bytes(
-        b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"
-    )
-    with pytest.raises(
-        ValueError, match="model-00001-of-00001.safetensors is not a readable safetensors file"
-    ):
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
         load_drafter_state_dict(broken)
 
 

@@ -25,6 +25,9 @@ from vllm_dspark.tools.quantize import main
 
 
 def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    if not (model_dir / "model.safetensors.index.json").exists():  # make-random's one file
+        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())
     out = {}
     for shard in sorted(set(index["weight_map"].values())):
@@ -298,7 +301,7 @@ def test_refuses_to_write_into_its_input(drafters, capsys) -> None:
 def _copy(model_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
     copy = tmp_path / "model"
     shutil.copytree(model_dir, copy)
-    return copy, next(copy.glob("model-*.safetensors"))
+    return copy, next(copy.glob("model*.safetensors"))
 
 
 def test_refuses_a_truncated_shard(drafters, tmp_path, capsys) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_dspark.checkpoint.st_io import Entry, SafetensorsWriter
+from vllm_dspark.checkpoint.st_io import DEFAULT_METADATA, Entry, SafetensorsWriter, library_order
 from vllm_dspark.checkpoint.store import CONFIG_NAME, INDEX_NAME, SINGLE_FILE_NAME
 from vllm_dspark.fields import GEOMETRY_FIELDS, MLA_FIELDS
 
@@ -74,6 +74,15 @@ def write_target_config(drafter: K3DSparkConfig, out_dir: str | Path) -> Path:
     return out_dir
 
 
+def write_config_json(model_dir: str | Path, config_json: Mapping[str, Any]) -> Path:
+    """``model_dir/config.json`` as the published checkpoints write it: ``json.dumps(doc, indent=2)``
+    and a newline, keys in the document's order (the ``k3`` preset's is the published file byte for
+    byte)."""
+    path = Path(model_dir) / CONFIG_NAME
+    path.write_text(json.dumps(dict(config_json), indent=2) + "\n")
+    return path
+
+
 def save_drafter(
     model_dir: str | Path,
     config_json: Mapping[str, Any],
@@ -81,22 +90,36 @@ def save_drafter(
     *,
     entries: Sequence[Entry] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    single_file: bool = False,
+    metadata: Mapping[str, str] | None = DEFAULT_METADATA,
 ) -> None:
     """Write a drafter directory: shards ``model-0000i-of-0000n.safetensors``, the index, config.json.
 
-    With ``entries`` (every tensor's :class:`Entry`, in order) ``tensors`` may be a generator, consumed
-    one tensor at a time. ``config.json`` is written last: a directory that has one is complete.
+    With ``single_file``, one ``model.safetensors`` and no index, as the published drafters ship:
+    the tensors in :func:`~vllm_dspark.checkpoint.st_io.library_order`, so the file is the
+    safetensors library's own ``save_file(tensors, path, metadata)`` byte for byte.
+    ``metadata`` is every file's safetensors ``__metadata__`` (``None``: none).
+
+    With ``entries`` (every tensor's :class:`Entry`, in the order ``tensors`` yields them; with
+    ``single_file``, in library order) ``tensors`` may be a generator, consumed one tensor at a
+    time. ``config.json`` is written last: a directory that has one is complete.
     """
     model_dir = Path(model_dir)
     if entries is None:
         tensors = list(tensors)
         entries = [Entry.of(key, tensor) for key, tensor in tensors]
+        if single_file:
+            by_key = dict(tensors)
+            entries = library_order(entries)
+            tensors = [(e.key, by_key[e.key]) for e in entries]
+    elif single_file and list(entries) != library_order(entries):
+        raise ValueError("save_drafter(single_file=True): entries must be in library_order.")
     if not entries:
         raise ValueError("save_drafter: no tensors to write.")
     shards: list[list[Entry]] = [[]]
     size = 0
     for entry in entries:
-        if shards[-1] and size + entry.nbytes > max_shard_bytes:
+        if shards[-1] and size + entry.nbytes > max_shard_bytes and not single_file:
             shards.append([])
             size = 0
         shards[-1].append(entry)
@@ -110,16 +133,22 @@ def save_drafter(
         *(p for p in model_dir.iterdir() if _SHARD_RE.match(p.name)),
     ]:
         stale.unlink(missing_ok=True)
-    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    if single_file:
+        names = [SINGLE_FILE_NAME]
+    else:
+        names = [
+            f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+        ]
     stream = iter(tensors)
     for name, planned in zip(names, shards):
-        with SafetensorsWriter(model_dir / name, planned) as writer:
+        with SafetensorsWriter(model_dir / name, planned, metadata=metadata) as writer:
             for _ in planned:
                 writer.write(*next(stream))
-    weight_map = {entry.key: name for name, planned in zip(names, shards) for entry in planned}
-    index = {
-        "metadata": {"total_size": sum(e.nbytes for e in entries)},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-    (model_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    (model_dir / CONFIG_NAME).write_text(json.dumps(dict(config_json), indent=2) + "\n")
+    if not single_file:
+        weight_map = {entry.key: name for name, planned in zip(names, shards) for entry in planned}
+        index = {
+            "metadata": {"total_size": sum(e.nbytes for e in entries)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (model_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    write_config_json(model_dir, config_json)

@@ -5,7 +5,9 @@ A file is an 8-byte little-endian header length, a JSON header ``{key: {dtype, s
 data_offsets}}`` and the data, each tensor's ``[begin, end)`` counted from the end of the header.
 The writer is given every tensor's :class:`Entry` before its first byte, so the header goes first
 and each tensor streams to its place once; the file is built beside its target and renamed into
-place only when complete (:func:`vllm_dspark.safety.staged`).
+place only when complete (:func:`vllm_dspark.safety.staged`). :func:`library_order` plans entries
+as the safetensors library's own writer (``save_file``) lays them out, so a file written in that
+order with the same metadata is that writer's file byte for byte (the published drafter's layout).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import math
 import os
 import struct
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,17 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 }
 
 TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+# The safetensors library's ``Dtype`` enum in declaration order (its Rust crate, checked at 0.7 and 0.8);
+# its writer sorts tensors by this, descending (widest alignment first), then by name.
+_LIBRARY_DTYPE_ORDER: tuple[str, ...] = (
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16",
+    "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+)  # fmt: skip
+_LIBRARY_DTYPE_RANK = {name: i for i, name in enumerate(_LIBRARY_DTYPE_ORDER)}
+
+# What this project's files carry unless told otherwise: the marker transformers' save_pretrained writes.
+DEFAULT_METADATA: Mapping[str, str] = {"format": "pt"}
 
 
 @dataclass(frozen=True)
@@ -185,6 +198,53 @@ def pwrite_all(fd: int, tensor: torch.Tensor, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+def library_order(entries: Iterable[Entry]) -> list[Entry]:
+    """``entries`` in the order the safetensors library's writer lays tensors out: by dtype, widest
+    first in its ``Dtype`` order, then by name (byte order; for one dtype, simply sorted by key)."""
+    return sorted(entries, key=lambda e: (-_LIBRARY_DTYPE_RANK[e.dtype], e.key.encode()))
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """A file's layout, known before any data: the padded header JSON, each tensor's data offset."""
+
+    header: bytes  # the JSON after the 8-byte length, space-padded to a multiple of 8
+    offsets: dict[str, int]  # each key's first byte, counted from the end of the header
+    data_bytes: int
+
+    @property
+    def data_start(self) -> int:
+        return 8 + len(self.header)
+
+    @property
+    def size(self) -> int:
+        """The whole file's size in bytes."""
+        return self.data_start + self.data_bytes
+
+
+def plan_file(
+    entries: Sequence[Entry], metadata: Mapping[str, str] | None = DEFAULT_METADATA
+) -> FilePlan:
+    """The layout of a file of ``entries`` in this order, with ``metadata`` (``None``: no
+    ``__metadata__``), serialized as the safetensors library does: compact JSON, non-ASCII kept."""
+    header: dict[str, object] = {} if metadata is None else {"__metadata__": dict(metadata)}
+    offsets: dict[str, int] = {}
+    offset = 0
+    for e in entries:
+        if e.key in offsets or e.key == "__metadata__":
+            raise ValueError(f"tensor key {e.key!r} is planned twice or is reserved.")
+        header[e.key] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
+        offsets[e.key] = offset
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)  # the format allows space padding; aligned data reads faster
+    return FilePlan(raw, offsets, offset)
+
+
 def _write_all(file, data: memoryview) -> None:
     while data:  # an unbuffered write may be partial (Linux caps one at 2 GiB)
         data = data[file.write(data) :]
@@ -193,27 +253,24 @@ def _write_all(file, data: memoryview) -> None:
 class SafetensorsWriter:
     """Writes one file whose tensors are all planned up front: the header first, then each tensor in order.
 
-    The file is built beside ``path`` and renamed into place by :meth:`close`; :meth:`abort`, or an
-    exception inside ``with``, removes it.
+    The layout is :func:`plan_file`'s for ``entries`` in the order given (pass them through
+    :func:`library_order` for the library's own layout) and ``metadata``. The file is built beside
+    ``path`` and renamed into place by :meth:`close`; :meth:`abort`, or an exception inside
+    ``with``, removes it.
     """
 
-    def __init__(self, path: str | Path, entries: Sequence[Entry]) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        entries: Sequence[Entry],
+        *,
+        metadata: Mapping[str, str] | None = DEFAULT_METADATA,
+    ) -> None:
         self.path = Path(path)
-        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for e in entries:
-            header[e.key] = {
-                "dtype": e.dtype,
-                "shape": list(e.shape),
-                "data_offsets": [offset, offset + e.nbytes],
-            }
-            offset += e.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the format allows space padding; aligned data reads faster
-        self._data_start = 8 + len(raw)
-        self._offsets = {
-            key: e["data_offsets"][0] for key, e in header.items() if key != "__metadata__"
-        }
+        self.plan = plan_file(entries, metadata)
+        raw = self.plan.header
+        self._data_start = self.plan.data_start
+        self._offsets = self.plan.offsets
         # Imported by writers only: vLLM's workers, which only read, never load signal handling.
         from vllm_dspark.safety import staged
 
@@ -302,8 +359,18 @@ class SafetensorsWriter:
             self.abort()
 
 
-def save_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Write in-memory ``tensors`` to one file."""
-    with SafetensorsWriter(path, [Entry.of(k, t) for k, t in tensors.items()]) as writer:
-        for key, tensor in tensors.items():
-            writer.write(key, tensor)
+def save_tensors(
+    path: str | Path,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    metadata: Mapping[str, str] | None = DEFAULT_METADATA,
+    in_library_order: bool = False,
+) -> None:
+    """Write in-memory ``tensors`` to one file: in their order, or with ``in_library_order`` as the
+    safetensors library's ``save_file(tensors, path, metadata)`` would, byte for byte."""
+    entries = [Entry.of(k, t) for k, t in tensors.items()]
+    if in_library_order:
+        entries = library_order(entries)
+    with SafetensorsWriter(path, entries, metadata=metadata) as writer:
+        for entry in entries:
+            writer.write(entry.key, tensors[entry.key])

@@ -1,13 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-dspark make-random``: a random drafter in exactly the real on-disk layout, with realistic weight
-statistics (docs/tools/make-random.md)."""
+"""``vllm-dspark make-random``: a random drafter in exactly the published on-disk layout, with realistic
+weight statistics (docs/tools/make-random.md).
+
+``--preset`` writes what Inferact/Kimi-K3-DSpark publishes: config.json (``k3``: the published file byte
+for byte), one ``model.safetensors`` (no index) as the safetensors library's ``save_file`` writes it
+(tensors sorted by name, metadata ``{"torchspec_version": "0.1.0"}``; ``k3``: 7,124,633,450 bytes,
+a 7,520-byte header), plus the target's heads in ``target/``. ``--like`` keeps the sharded layout."""
 
 from __future__ import annotations
 
 import math
 import shutil
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -19,9 +24,20 @@ from vllm_dspark.checkpoint.layout import (
     checkpoint_modules,
     tensor_shapes,
 )
-from vllm_dspark.checkpoint.presets import preset_config_json
+from vllm_dspark.checkpoint.presets import (
+    PUBLISHED_METADATA,
+    WITHOUT_EMBED_TOKENS,
+    preset_config_json,
+)
 from vllm_dspark.checkpoint.save import save_drafter, write_target_config
-from vllm_dspark.checkpoint.st_io import Entry, SafetensorsWriter, save_tensors
+from vllm_dspark.checkpoint.st_io import (
+    Entry,
+    FilePlan,
+    SafetensorsWriter,
+    library_order,
+    plan_file,
+    save_tensors,
+)
 from vllm_dspark.checkpoint.store import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY, load_target_heads
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.fields import GEOMETRY_FIELDS, MLA_FIELDS
@@ -75,19 +91,17 @@ def random_tensor(name: str, shape: tuple[int, ...], role: str, *, seed: int) ->
 
 
 def random_drafter_tensors(
-    config: K3DSparkConfig, *, seed: int
+    config: K3DSparkConfig, *, seed: int, keys: Iterable[str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every drafter tensor, in checkpoint order, generated lazily."""
+    """Every drafter tensor in checkpoint order (or those of ``keys``, in that order), generated
+    lazily. A tensor's value depends only on its name and ``seed``, never on the order."""
+    planned: dict[str, tuple[tuple[int, ...], str]] = {}
     for spec in checkpoint_modules(config):
-        yield (
-            f"{spec.name}.weight",
-            random_tensor(f"{spec.name}.weight", spec.shape, spec.role, seed=seed),
-        )
+        planned[f"{spec.name}.weight"] = (spec.shape, spec.role)
         if spec.bias:
-            yield (
-                f"{spec.name}.bias",
-                random_tensor(f"{spec.name}.bias", (spec.shape[0],), spec.role, seed=seed),
-            )
+            planned[f"{spec.name}.bias"] = ((spec.shape[0],), spec.role)
+    for key in planned if keys is None else keys:
+        yield key, random_tensor(key, *planned[key], seed=seed)
 
 
 def random_lm_head(config: K3DSparkConfig, *, seed: int) -> torch.Tensor:
@@ -119,16 +133,31 @@ def make_random(
     return out_dir
 
 
+def drafter_entries(preset: str) -> list[Entry]:
+    """The tensors of ``preset``'s ``model.safetensors``, in the order they lie in the file (the
+    safetensors library's): BF16, ``embed_tokens.weight`` left out where the published counterpart
+    ships none (``presets.WITHOUT_EMBED_TOKENS``)."""
+    config = K3DSparkConfig(**preset_config_json(preset))
+    entries = _bf16_entries(config)
+    if preset in WITHOUT_EMBED_TOKENS:
+        entries = [e for e in entries if e.key != "embed_tokens.weight"]
+    return library_order(entries)
+
+
+def drafter_file_plan(preset: str) -> FilePlan:
+    """The header and size of ``preset``'s ``model.safetensors``, as :func:`make_random` writes it,
+    computed without any data (``k3``: a 7,520-byte header, 7,124,633,450 bytes)."""
+    return plan_file(drafter_entries(preset), PUBLISHED_METADATA)
+
+
 def _write_random(out_dir: Path, preset: str, *, seed: int, progress: bool) -> None:
     config_json = preset_config_json(preset)
     config = K3DSparkConfig(**config_json)
-    specs = checkpoint_modules(config)
-    total = sum(math.prod(s.shape) + (s.shape[0] if s.bias else 0) for s in specs)
-    total += (
-        math.prod((config.vocab_size, config.hidden_size)) * 2
-    )  # the target's embedding and lm_head
+    entries = drafter_entries(preset)
+    embed_shape = (config.vocab_size, config.hidden_size)
+    total = sum(e.nbytes for e in entries) + 2 * math.prod(embed_shape) * 2  # + the target's heads
     bar = tqdm(
-        total=total * 2,
+        total=total,
         unit="B",
         unit_scale=True,
         desc=f"make-random {preset}",
@@ -136,23 +165,39 @@ def _write_random(out_dir: Path, preset: str, *, seed: int, progress: bool) -> N
     )
 
     target_dir = out_dir / TARGET_DIR
-    entries = _bf16_entries(config)
     heads = [
-        Entry.planned(key, torch.bfloat16, (config.vocab_size, config.hidden_size))
+        Entry.planned(key, torch.bfloat16, embed_shape)
         for key in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY)
     ]
     with SafetensorsWriter(target_dir / "model.safetensors", heads) as target:
 
+        def write_embed(tensor: torch.Tensor) -> None:
+            target.write(TARGET_EMBED_KEY, tensor)
+            bar.update(tensor.numel() * tensor.element_size())
+
+        if preset in WITHOUT_EMBED_TOKENS:  # the drafter uses the target's embedding
+            write_embed(
+                next(random_drafter_tensors(config, seed=seed, keys=["embed_tokens.weight"]))[1]
+            )
+
         def drafter_tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in random_drafter_tensors(config, seed=seed):
+            for name, tensor in random_drafter_tensors(
+                config, seed=seed, keys=[e.key for e in entries]
+            ):
                 if name == "embed_tokens.weight":
                     # The drafter ships the target's embedding; both files hold the same tensor.
-                    target.write(TARGET_EMBED_KEY, tensor)
-                    bar.update(tensor.numel() * tensor.element_size())
+                    write_embed(tensor)
                 bar.update(tensor.numel() * tensor.element_size())
                 yield name, tensor
 
-        save_drafter(out_dir, config_json, drafter_tensors(), entries=entries)
+        save_drafter(
+            out_dir,
+            config_json,
+            drafter_tensors(),
+            entries=entries,
+            single_file=True,
+            metadata=PUBLISHED_METADATA,
+        )
         lm_head = random_lm_head(config, seed=seed)
         target.write(TARGET_LM_HEAD_KEY, lm_head)
         bar.update(lm_head.numel() * lm_head.element_size())

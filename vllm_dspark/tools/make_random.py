@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-dspark make-random``: a random drafter checkpoint in the real on-disk layout."""
+"""``vllm-dspark make-random``: a random drafter checkpoint in the published on-disk layout."""
 
 from __future__ import annotations
 
@@ -14,15 +14,20 @@ from vllm_dspark.tools.cli import ArgumentParser, add_out, add_shared
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="vllm-dspark make-random",
-        description="Write a random K3 DSpark drafter checkpoint in the real on-disk layout: config.json, "
-        "BF16 safetensors shards with HF key names and their index, plus the target's shared "
-        "embedding and lm_head in OUT/target/. Deterministic for a given --seed.",
+        description="Write a random K3 DSpark drafter checkpoint in exactly the published on-disk layout "
+        "(Inferact/Kimi-K3-DSpark): config.json (--preset k3: the published file byte for byte) and "
+        "one BF16 model.safetensors, no index, as the safetensors library writes it (tensors sorted "
+        'by name, metadata {"torchspec_version": "0.1.0"}), plus the target\'s shared embedding and '
+        "lm_head in OUT/target/. --like writes shards and their index instead. Deterministic for a "
+        "given --seed.",
     )
     shape = parser.add_mutually_exclusive_group(required=True)
     shape.add_argument(
         "--preset",
         choices=list(PRESETS),
-        help="tiny / small: CPU-test sizes; k3: the published shapes (6.6 GiB drafter + 2.3 GiB lm_head)",
+        help="tiny / small: CPU-test sizes; block5-small, k31-small (no embed_tokens.weight), "
+        "fc-norm-small: the published variants at small's sizes; k3: the published checkpoint's "
+        "shapes (a 7,124,633,450-byte model.safetensors + 4.4 GiB of target heads)",
     )
     shape.add_argument(
         "--like",
