@@ -21,6 +21,7 @@ from vllm_dspark.checkpoint.store import (
     human_params,
     read_checkpoint,
     shape_mismatches,
+    shape_text,
     stored_tensor_specs,
 )
 from vllm_dspark.config import K3DSparkConfig
@@ -73,9 +74,7 @@ def _tensor_problems(
 ) -> list[Finding]:
     expected = expected_tensors(config, quantized, encoding)
     found = {k: t.shape for k, t in stored.items() if k not in stray}
-    missing, misshaped, unexpected = shape_mismatches(
-        found, {k: t.shape for k, t in expected.items()}
-    )
+    missing, misshaped, unexpected = shape_mismatches(found, expected)
 
     def what(key: str) -> str:
         module = key.rpartition(".")[0]
@@ -93,18 +92,18 @@ def _tensor_problems(
             else "use the shards written with this config.json"
         )
         problems.append(
-            Finding(f"missing; {what(key)} needs it (shape {expected[key].shape})", fix, key)
+            Finding(f"missing; {what(key)} needs it (shape {shape_text(expected[key])})", fix, key)
         )
     problems += [
         Finding(
-            f"shape {found[key]}, but {what(key)} needs {expected[key].shape}",
+            f"shape {found[key]}, but {what(key)} needs {shape_text(expected[key])}",
             "use the config.json written with these shards, or re-export them",
             key,
         )
         for key in misshaped
     ]
     for key, want in expected.items():
-        ok_dtypes = [SAFETENSORS_DTYPES[d] for d in (want.dtype, *want.also)]
+        ok_dtypes = [SAFETENSORS_DTYPES[d] for d in want.dtypes]
         if key in found and stored[key].dtype not in ok_dtypes:
             problems.append(
                 Finding(

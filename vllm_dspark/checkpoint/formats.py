@@ -35,13 +35,53 @@ if TYPE_CHECKING:
 _CHUNK_ELEMENTS = 1 << 18
 
 
+# A tensor of one value is stored as [1] (compressed-tensors, ModelOpt's FP8) or as [] (AutoFP8, ModelOpt's
+# NVFP4): vLLM's parameters load either into their one-element shape ("AutoFP8 scales do not have a shape").
+ONE_VALUE_SHAPES: tuple[tuple[int, ...], ...] = ((1,), ())
+# The float dtypes a scale is stored in beside float32, the one it is written in: vLLM's float32 scale
+# parameters copy them in exactly.
+SCALE_DTYPES = (torch.bfloat16, torch.float16)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
-    """dtype and shape of one stored tensor; ``also`` lists dtypes other producers write."""
+    """dtype and shape of one stored tensor, as written; ``also`` lists dtypes other producers write.
+
+    A one-value tensor (a per-tensor scale) is stored as [1] or as []: :attr:`shapes` names both,
+    :meth:`fits` takes both, and :meth:`conform` gives any of them this spec's own :attr:`shape` (and
+    any of :attr:`dtypes` its :attr:`dtype`).
+    """
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     also: tuple[torch.dtype, ...] = ()
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Every shape a checkpoint may store it in: :attr:`shape` first."""
+        if self.shape in ONE_VALUE_SHAPES:
+            return (self.shape, *(s for s in ONE_VALUE_SHAPES if s != self.shape))
+        return (self.shape,)
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """Every dtype a checkpoint may store it in: :attr:`dtype` first."""
+        return (self.dtype, *self.also)
+
+    def fits(self, shape: Sequence[int]) -> bool:
+        """Whether a stored tensor of ``shape`` is this one (vLLM loads it)."""
+        return tuple(shape) in self.shapes
+
+    def shape_text(self) -> str:
+        """``(1,) or ()``: the shapes :meth:`fits` takes, for a message."""
+        return " or ".join(str(s) for s in self.shapes)
+
+    def conform(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, stored in any of :attr:`shapes` and :attr:`dtypes`, as vLLM's parameter holds it:
+        in :attr:`shape` and :attr:`dtype` (a BF16 scale computes as the float32 scale of its value)."""
+        if tuple(tensor.shape) != self.shape and self.fits(tensor.shape):
+            tensor = tensor.reshape(self.shape)
+        return tensor.to(self.dtype) if tensor.dtype in self.also else tensor
 
 
 WEIGHT_FIELDS = (
@@ -270,7 +310,7 @@ class FP8(QuantFormat):
         # Written in fp32 (what vLLM's scale parameter holds); bf16/fp16 scales also load.
         return {
             "weight": TensorSpec(torch.float8_e4m3fn, (n, k)),
-            "weight_scale": TensorSpec(torch.float32, (n, 1), also=(torch.bfloat16, torch.float16)),
+            "weight_scale": TensorSpec(torch.float32, (n, 1), also=SCALE_DTYPES),
         }
 
     def identify(self, dtypes: Mapping[str, str]) -> bool:
@@ -327,7 +367,7 @@ class FP8Static(QuantFormat):
     cuda_kernels = FP8Dynamic.cuda_kernels
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
-        scalar = TensorSpec(torch.float32, (1,), also=(torch.bfloat16, torch.float16))
+        scalar = TensorSpec(torch.float32, (1,), also=SCALE_DTYPES)
         return {
             "weight": TensorSpec(torch.float8_e4m3fn, shape),
             "weight_scale": scalar,
@@ -385,9 +425,7 @@ class FP8Block(FP8):
         (r, c), specs = self.block, super().tensor_specs(shape)
         return {
             **specs,
-            "weight_scale": TensorSpec(
-                torch.float32, (-(-n // r), -(-k // c)), also=(torch.bfloat16,)
-            ),
+            "weight_scale": TensorSpec(torch.float32, (-(-n // r), -(-k // c)), also=SCALE_DTYPES),
         }
 
 
@@ -404,7 +442,7 @@ class _FP4(QuantFormat):
             "weight_scale": TensorSpec(self.scale_dtype, (n, k // self.group_size)),
         }
         if self.has_global_scale:
-            specs["weight_global_scale"] = TensorSpec(torch.float32, (1,))
+            specs["weight_global_scale"] = TensorSpec(torch.float32, (1,), also=SCALE_DTYPES)
         return specs
 
 
@@ -508,7 +546,7 @@ class NVFP4W4A4(NVFP4):
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         return {
             **super().tensor_specs(shape),
-            "input_global_scale": TensorSpec(torch.float32, (1,)),
+            "input_global_scale": TensorSpec(torch.float32, (1,), also=SCALE_DTYPES),
         }
 
     def input_scales(self) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from vllm_dspark.checkpoint import formats
-from vllm_dspark.checkpoint.formats import CALIBRATION_FREE_INPUT_AMAX, TensorSpec
+from vllm_dspark.checkpoint.formats import CALIBRATION_FREE_INPUT_AMAX, SCALE_DTYPES, TensorSpec
 from vllm_dspark.ops.act_quant import FP4_MAX, FP8_MAX, NVFP4_BLOCK
 from vllm_dspark.ops.fp4 import dequantize_nvfp4
 
@@ -133,9 +133,13 @@ def exclude_entries(names: Iterable[str]) -> list[str]:
 
 
 def tensor_specs(fmt: str, shape: tuple[int, int]) -> dict[str, TensorSpec]:
-    """``{suffix: TensorSpec}`` ModelOpt stores for a [N, K] weight in ``fmt``."""
+    """``{suffix: TensorSpec}`` ModelOpt stores for a [N, K] weight in ``fmt``.
+
+    Per-tensor scales as 0.47 writes them: [1] for FP8, [] for NVFP4 (either loads, see
+    :attr:`TensorSpec.shapes`); every scale but NVFP4's E4M3 block scales also loads from BF16 or F16.
+    """
     n, k = shape
-    scalar = TensorSpec(torch.float32, (1,))
+    scalar = TensorSpec(torch.float32, (1,), also=SCALE_DTYPES)
     if fmt == "fp8-static":
         return {
             "weight": TensorSpec(torch.float8_e4m3fn, (n, k)),
@@ -145,15 +149,15 @@ def tensor_specs(fmt: str, shape: tuple[int, int]) -> dict[str, TensorSpec]:
     if fmt == "fp8-dynamic":
         return {
             "weight": TensorSpec(torch.float8_e4m3fn, (n, k)),
-            "weight_scale": TensorSpec(torch.float32, (n,)),
+            "weight_scale": TensorSpec(torch.float32, (n,), also=SCALE_DTYPES),
         }
     specs = {
         "weight": TensorSpec(torch.uint8, (n, k // 2)),
         "weight_scale": TensorSpec(torch.float8_e4m3fn, (n, k // NVFP4_BLOCK)),
-        "weight_scale_2": TensorSpec(torch.float32, ()),
+        "weight_scale_2": TensorSpec(torch.float32, (), also=SCALE_DTYPES),
     }
     if formats.get(fmt).activation is not None:
-        specs["input_scale"] = TensorSpec(torch.float32, ())
+        specs["input_scale"] = TensorSpec(torch.float32, (), also=SCALE_DTYPES)
     return specs
 
 

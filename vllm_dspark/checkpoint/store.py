@@ -208,29 +208,42 @@ def _float_tensor(shape: tuple[int, ...]) -> TensorSpec:
     return TensorSpec(torch.bfloat16, shape, also=(torch.float16, torch.float32))
 
 
+# What a key must hold: one shape, or a TensorSpec (whose one-value tensors take [1] and [] alike).
+_Expected = tuple[int, ...] | TensorSpec
+
+
+def _fits(shape: tuple[int, ...], want: _Expected) -> bool:
+    return want.fits(shape) if isinstance(want, TensorSpec) else tuple(shape) == tuple(want)
+
+
+def shape_text(want: _Expected) -> str:
+    """The shape(s) ``want`` takes, for a message: ``(64, 1)``, ``(1,) or ()``."""
+    return want.shape_text() if isinstance(want, TensorSpec) else str(tuple(want))
+
+
 def shape_mismatches(
-    found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]
+    found: Mapping[str, tuple[int, ...]], expected: Mapping[str, _Expected]
 ) -> tuple[list[str], list[str], list[str]]:
     """The ``(missing, mis-shaped, unexpected)`` keys of ``found`` against ``expected``."""
     missing = [key for key in expected if key not in found]
-    misshaped = [
-        key for key in expected if key in found and tuple(found[key]) != tuple(expected[key])
-    ]
+    misshaped = [key for key in expected if key in found and not _fits(found[key], expected[key])]
     return missing, misshaped, [key for key in found if key not in expected]
 
 
 def validate_tensor_shapes(
     found: Mapping[str, tuple[int, ...]],
-    expected: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, _Expected],
     *,
     source: str,
     config: K3DSparkConfig,
 ) -> None:
     """Raise one ``ValueError`` listing every missing, unexpected and mis-shaped tensor."""
     missing, misshaped, unexpected = shape_mismatches(found, expected)
-    problems = [f"missing tensor {key!r} (expected shape {expected[key]})" for key in missing]
+    problems = [
+        f"missing tensor {key!r} (expected shape {shape_text(expected[key])})" for key in missing
+    ]
     problems += [
-        f"tensor {key!r} has shape {tuple(found[key])}, expected shape {expected[key]}"
+        f"tensor {key!r} has shape {tuple(found[key])}, expected shape {shape_text(expected[key])}"
         for key in misshaped
     ]
     problems += [
@@ -414,10 +427,9 @@ def load_drafter_state_dict(
         _LOG.warning("%s: %s", model_dir, warning)
     stored = {k: t for k, t in stored.items() if not is_stray(k, config)}
     quantized = plan.modules
-    expected = {k: t.shape for k, t in expected_tensors(config, quantized, plan.encoding).items()}
     validate_tensor_shapes(
         {k: t.shape for k, t in stored.items()},
-        expected,
+        expected_tensors(config, quantized, plan.encoding),
         source=f"checkpoint {model_dir}",
         config=config,
     )
@@ -476,8 +488,9 @@ def _dequantize(
     encoding: str = "compressed-tensors",
 ) -> torch.Tensor:
     """``module``'s weight, dequantized from the ``fmt`` tensors (in ``encoding``) that ``read(key)`` returns."""
-    parts = {
-        suffix: read(f"{module}.{suffix}") for suffix in stored_tensor_specs(fmt, shape, encoding)
+    parts = {  # each as vLLM's parameter holds it: a [] scale as [1], a BF16 scale in float32, ...
+        suffix: spec.conform(read(f"{module}.{suffix}"))
+        for suffix, spec in stored_tensor_specs(fmt, shape, encoding).items()
     }
     for suffix, tensor in parts.items():
         bad = invalid_scale_count(tensor) if formats.is_scale(suffix) else 0
