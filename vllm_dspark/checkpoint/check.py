@@ -13,6 +13,7 @@ from vllm_dspark.checkpoint.layout import (
     TARGET_HEADS,
     ModuleSpec,
     checkpoint_modules,
+    stored_modules,
 )
 from vllm_dspark.checkpoint.st_io import SAFETENSORS_DTYPES, StoredTensor, read_tensor
 from vllm_dspark.checkpoint.store import (
@@ -177,11 +178,22 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
         report.findings.append(os_error_finding(e))
         return report
     config, stored = checkpoint.config, checkpoint.stored
-    specs = checkpoint_modules(config)
+    specs = stored_modules(config, stored)
     size = sum(t.nbytes for t in stored.values())
+    block = (
+        f"block {config.block_size}"
+        if config.block_size
+        else f"no block_size (vLLM drafts num_speculative_tokens; the tools draft {config.draft_block_size})"
+    )
     report.summary.append(
         f"K3 DSpark drafter: {config.num_hidden_layers} layers, hidden_size {config.hidden_size}, "
-        f"{len(specs)} modules with weights"
+        f"{len(specs)} modules with weights; {'causal' if config.causal else 'non-causal'} {block}"
+        + ("; per-tap fc_norm" if config.fc_norm else "")
+        + (
+            ""
+            if "embed_tokens.weight" in stored
+            else "; no embed_tokens.weight (the target's embedding is used)"
+        )
     )
     report.summary.append(
         f"{len(stored)} tensors in {len({t.path for t in stored.values()})} shard(s): "

@@ -15,7 +15,13 @@ import torch
 
 from vllm_dspark.checkpoint import formats, modelopt
 from vllm_dspark.checkpoint.formats import TensorSpec
-from vllm_dspark.checkpoint.layout import ABSORBED_KINDS, checkpoint_modules, module_kind
+from vllm_dspark.checkpoint.layout import (
+    ABSORBED_KINDS,
+    OPTIONAL_KEYS,
+    checkpoint_modules,
+    module_kind,
+    stored_modules,
+)
 from vllm_dspark.checkpoint.quant_plan import QuantPlan, QuantPlanError, is_stray, resolve
 from vllm_dspark.checkpoint.st_io import (
     StoredTensor,
@@ -225,7 +231,7 @@ def shape_mismatches(
     found: Mapping[str, tuple[int, ...]], expected: Mapping[str, _Expected]
 ) -> tuple[list[str], list[str], list[str]]:
     """The ``(missing, mis-shaped, unexpected)`` keys of ``found`` against ``expected``."""
-    missing = [key for key in expected if key not in found]
+    missing = [key for key in expected if key not in found and key not in OPTIONAL_KEYS]
     misshaped = [key for key in expected if key in found and not _fits(found[key], expected[key])]
     return missing, misshaped, [key for key in found if key not in expected]
 
@@ -440,7 +446,7 @@ def load_drafter_state_dict(
         def read(key: str) -> torch.Tensor:
             return reader.read(stored[key].path, key)
 
-        for spec in checkpoint_modules(config):
+        for spec in stored_modules(config, stored):
             fmt = quantized.get(spec.name)
             if fmt is None:
                 weight = read(f"{spec.name}.weight")

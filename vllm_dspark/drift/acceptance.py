@@ -382,6 +382,7 @@ def run(spec: AcceptSpec) -> dict[str, Any]:
             "scheduled": spec.scheduled,
             "token_cost": spec.token_cost,
             "block_size": config.draft_block_size,
+            "causal": config.causal,
             "target_layer_ids": list(config.target_layer_ids),
             "seed": spec.seed,
             "resamples": spec.resamples,

@@ -434,6 +434,7 @@ def run(spec: EvalSpec) -> dict[str, Any]:
             "positions": spec.all_positions(),
             "recipe": list(spec.include_layers),
             "block_size": config.draft_block_size,
+            "causal": config.causal,
             "corpus_source": blocks.source,
             "original_max_position_embeddings": config.rope_parameters.get(
                 "original_max_position_embeddings"

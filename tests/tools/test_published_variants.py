@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The published drafters' variants (tests.support.checkpoints.TINY_VARIANTS: causal Block5 / K3.1-Pro,
+K3.1-Pro without embed_tokens.weight, lightseekorg's fc_norm) through every tool: check, draft,
+quantize (and the quantized build's check and reference load)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_dspark.checkpoint.check import check_checkpoint
+from vllm_dspark.checkpoint.st_io import read_header
+from vllm_dspark.checkpoint.store import load_config, stored_tensors
+from vllm_dspark.reference.drafter import ReferenceDrafter, block_key_mask
+from vllm_dspark.tools import cli
+
+VARIANTS = ["causal", "no-embed", "fc-norm"]
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_check_passes_and_says_what_the_drafter_is(variant_checkpoints, name: str) -> None:
+    report = check_checkpoint(variant_checkpoints[name])
+    assert report.ok, report.render()
+    text = report.render()
+    assert ("non-causal" not in text) is (name != "fc-norm")
+    assert ("no embed_tokens.weight" in text) is (name == "no-embed")
+    assert ("per-tap fc_norm" in text) is (name == "fc-norm")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_draft_cli_matches_the_reference(variant_checkpoints, name: str, tmp_path: Path) -> None:
+    model = variant_checkpoints[name]
+    inputs, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    assert cli.main(["draft", "--model", str(model), "--example-inputs", str(inputs)]) == 0
+    assert (
+        cli.main(["draft", "--model", str(model), "--inputs", str(inputs), "--out", str(out)]) == 0
+    )
+    got, given = load_file(str(out)), load_file(str(inputs))
+    config = load_config(model)
+    assert got["draft_tokens"].shape[1] == config.draft_block_size == (5 if name == "causal" else 7)
+    expected = ReferenceDrafter.from_pretrained(model).draft(
+        given["aux_hidden_states"],
+        given["context_positions"],
+        given["anchor_ids"],
+        context_mask=given["context_mask"],
+        temperature=given["temperature"],
+        seeds=given["seeds"],
+    )
+    assert torch.equal(got["draft_tokens"], expected.tokens)
+
+
+def test_causal_block_slots_never_see_later_ones(variant_checkpoints) -> None:
+    """A causal drafter's first k hidden states are those of a k-slot block; a non-causal one's are not."""
+    torch.manual_seed(0)
+    results = {}
+    for name in ("causal", "fc-norm"):
+        drafter = ReferenceDrafter.from_pretrained(variant_checkpoints[name])
+        c = drafter.config
+        aux = torch.randn(1, 6, c.num_target_layers * c.target_hidden_size)
+        positions = torch.arange(6)[None]
+        kv = drafter.context_kv(drafter.combine_hidden_states(aux), positions)
+        anchors = torch.tensor([5])
+        full = drafter.block_hidden(anchors, kv, torch.arange(6, 6 + c.draft_block_size)[None])
+        # The same anchor and context with the block cut to 3 slots.
+        embeds = drafter.embed_tokens(drafter.block_input_ids(anchors), drafter.compute_dtype)
+        cut = drafter.block_hidden(
+            anchors, kv, torch.arange(6, 9)[None], inputs_embeds=embeds[:, :3]
+        )
+        results[name] = torch.allclose(full[:, :3], cut, atol=1e-6)
+    assert results == {"causal": True, "fc-norm": False}
+
+
+def test_block_key_mask() -> None:
+    assert block_key_mask(3, False).all()
+    assert torch.equal(
+        block_key_mask(3, True), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]]).bool()
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt", "export"),
+    [
+        ("causal", "fp8", "compressed-tensors"),
+        ("no-embed", "nvfp4", "compressed-tensors"),
+        ("fc-norm", "fp8-dynamic", "modelopt"),
+    ],
+)
+def test_quantized_variant_round_trips(
+    variant_checkpoints, name: str, fmt: str, export: str, tmp_path: Path
+) -> None:
+    """A build keeps the variant: its config fields, BF16 fc_norm, no invented embedding."""
+    out = tmp_path / "build"
+    src = variant_checkpoints[name]
+    args = ["--model-dir", str(src), "--out", str(out), "--quant-format", fmt, "--export", export]
+    assert cli.main(["quantize", *args, "--no-progress"]) == 0
+    report = check_checkpoint(out)
+    assert report.ok, report.render()
+    source, built = (
+        json.loads((src / "config.json").read_text()),
+        json.loads((out / "config.json").read_text()),
+    )
+    for field in ("is_causal", "block_size", "fc_norm", "aux_hidden_stream"):
+        assert built.get(field) == source.get(field), field
+    stored = stored_tensors(out)
+    assert ("embed_tokens.weight" in stored) is (name != "no-embed")
+    for key in (k for k in stored if k.startswith("fc_norm.")):
+        assert read_header(stored[key].path)[key].dtype == "BF16"
+    assert sum(k.startswith("fc_norm.") for k in stored) == (5 if name == "fc-norm" else 0)
+    ReferenceDrafter.from_pretrained(out)  # loads and dequantizes
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_drift_harness_runs_on_the_variant(variant_checkpoints, name: str, tmp_path: Path) -> None:
+    model = variant_checkpoints[name]
+    args = ["--model", str(model), "--variants", "bf16", "fp8", "--regimes", "gauss"]
+    assert cli.main(["eval", *args, "--blocks", "4", "--out", str(tmp_path), "--no-progress"]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    config = load_config(model)
+    assert result["config"]["block_size"] == config.draft_block_size
+    assert result["config"]["causal"] is config.causal
+    assert {c["variant"] for c in result["cells"]} >= {"bf16", "fp8"}
