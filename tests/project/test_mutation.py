@@ -5,8 +5,8 @@ mutmut (PyPI, the ``test`` extra) mutates the functions matched by ``MUTANTS`` o
 in a copy of the package made here, and runs for each mutant the tests of ``[tool.mutmut]`` in
 ``pyproject.toml`` that execute the mutated function. A mutant is killed when a test fails. Covered:
 the rotary embedding and softmax scale, the Markov rollout and its per-row sampling, the doctor's
-``num_speculative_tokens`` check, the drift harness's cell inputs, and the quant resolver's functions
-(``checkpoint/quant_plan.py``). Left out: the seed mixing (``stream_seed``, ``gumbel_noise``: any
+``num_speculative_tokens`` check, the drift harness's cell inputs, the quant resolver's functions
+(``checkpoint/quant_plan.py``), the config contract (``fields.py``) and the causal block mask. Left out: the seed mixing (``stream_seed``, ``gumbel_noise``: any
 mixing is as right as the committed one, so no test can tell its constants apart).
 
 The test prints the tally and fails when the run kills fewer mutants, or tallies a different number,
@@ -37,6 +37,10 @@ MUTANTS = (
     "vllm_dspark.drift.harness.x_batches__mutmut_*",
     # The quant resolver's module functions (its config readers' methods are reached through them).
     "vllm_dspark.checkpoint.quant_plan.x_*__mutmut_*",
+    # The config contract: validation, defaults, the rope block, causality and the block's length.
+    "vllm_dspark.fields.*",
+    # The causal block mask the reference, draft, eval and accept share.
+    "vllm_dspark.reference.drafter.x_block_key_mask__mutmut_*",
 )
 # The quant resolver's mutants must all be killed, or argued equivalent here ({mutant: why no test
 # can tell it apart}); none is now.

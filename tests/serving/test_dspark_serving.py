@@ -205,7 +205,7 @@ def _check_blocks(blocks: list[Block]) -> int:
 def test_greedy_output_is_unchanged_by_dspark_speculation(served) -> None:
     results = served["results"]
     baseline = Baseline.of(results)
-    for name in ("bf16", "fp8", "fp8-dynamic", "modelopt"):
+    for name in ("bf16", "fp8", "fp8-dynamic", "modelopt", "causal"):
         baseline.assert_matches(results[name]["outputs"])
 
 
@@ -301,7 +301,7 @@ def test_fp8_drafters_run_their_scheme_on_exactly_the_six_kinds(
     assert (kernels == [cpu_kernel]) == (served["results"]["platform"] == "cpu"), kernels
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp8", "fp8-dynamic", "modelopt"])
+@pytest.mark.parametrize("name", ["bf16", "fp8", "fp8-dynamic", "modelopt", "causal"])
 def test_drafted_blocks_match_the_reference_drafter(served, name: str) -> None:
     """The W8A8 build's reference quantizes the same inputs the same way (ops.act_quant)."""
     drafter = served["models"]["drafter" if name == "bf16" else f"drafter-{name}"]
@@ -311,6 +311,19 @@ def test_drafted_blocks_match_the_reference_drafter(served, name: str) -> None:
     assert compared >= 0.5 * BLOCK * len(blocks), (
         f"only {compared} drafted tokens compared before near-ties"
     )
+
+
+def test_the_causal_drafter_was_served_causally(served, tmp_path: Path) -> None:
+    """Its blocks are not those of the same weights attending non-causally: the engine applied the mask."""
+    from tests.support.checkpoints import variant
+
+    causal = served["models"]["drafter-causal"]
+    assert _config(served, "drafter-causal")["is_causal"] is True
+    as_non_causal = variant(causal.resolve(), tmp_path / "non-causal", is_causal=False)
+    blocks = _reference_blocks(as_non_causal, served["captures"]["causal"])
+    assert blocks
+    with pytest.raises(AssertionError):
+        _check_blocks(blocks)
 
 
 @pytest.mark.parametrize("broken", ["broken_markov_sign", "broken_aux_layer"])

@@ -33,6 +33,8 @@ from vllm_dspark.cpu_serving.pair import (
 )
 
 PAIR = Path(__file__).resolve().parents[1] / "data" / "pair"
+# A causal-block drafter trained on the same target (tests/data/pair-causal/README.md).
+CAUSAL_PAIR = PAIR.with_name("pair-causal")
 # The drafter's builds served beside it, by run: (format, layout). The published FP8 one, a W8A8 one
 # (fp8-dynamic), and the same W8A8 numerics in ModelOpt's layout.
 QUANTIZED = {
@@ -40,7 +42,7 @@ QUANTIZED = {
     "fp8-dynamic": ("fp8-dynamic", "compressed-tensors"),
     "modelopt": ("fp8-dynamic", "modelopt"),
 }
-MODELS = ("target", "drafter", *(f"drafter-{run}" for run in QUANTIZED))
+MODELS = ("target", "drafter", "drafter-causal", *(f"drafter-{run}" for run in QUANTIZED))
 # Held-out prompts of the trained pair (vllm-dspark train-pair), cut short: the CPU run is slow.
 PROMPTS = heldout_prompts(PAIR, 3, 24)
 # Per platform: prompts and tokens per request. The CPU run interprets vLLM's Triton kernels
@@ -59,6 +61,7 @@ def build_models(root: Path) -> dict[str, Path]:
 
     for name in ("target", "drafter"):
         (root / name).symlink_to(PAIR / name, target_is_directory=True)
+    (root / "drafter-causal").symlink_to(CAUSAL_PAIR / "drafter", target_is_directory=True)
     for run, (fmt, export) in QUANTIZED.items():
         quantize_checkpoint(
             root / "drafter", root / f"drafter-{run}", fmt, progress=False, export=export
@@ -182,7 +185,7 @@ def run(platform: str, models: dict[str, Path], out: Path) -> None:
     captures: dict[str, list] = {}
 
     def observe(run: str, llm):
-        if run not in ("bf16", *QUANTIZED):
+        if run not in ("bf16", "causal", *QUANTIZED):
             return dict
         worker = engines.worker(llm)
         capture = Capture(worker.model_runner.speculator)
@@ -206,7 +209,7 @@ def run(platform: str, models: dict[str, Path], out: Path) -> None:
             models,
             prompts,
             size["max_tokens"],
-            runs=(*DEFAULT_RUNS, "fp8-dynamic", "modelopt"),
+            runs=(*DEFAULT_RUNS, "fp8-dynamic", "modelopt", "causal"),
             platform=platform,
             observe=observe,
         )

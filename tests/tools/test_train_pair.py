@@ -47,6 +47,27 @@ def tiny_runs(tmp_path_factory) -> list[tuple[Path, dict]]:
     return runs
 
 
+def test_a_causal_drafter_of_an_existing_target(tiny_runs, tmp_path: Path) -> None:
+    """--causal --target-pair: the target is linked, not retrained; the drafter is causal and loads."""
+    from vllm_dspark.checkpoint.check import check_checkpoint
+    from vllm_dspark.reference.drafter import ReferenceDrafter
+
+    source, _ = tiny_runs[0]
+    out = tmp_path / "causal"
+    log = tp.train_pair(out, TINY, seed=3, progress=False, causal=True, target_pair=source)
+    assert log["target"]["from"] == str(source) and log["target"]["steps_run"] == 0
+    assert (out / "target").is_symlink() and (out / "target").resolve() == (
+        source / "target"
+    ).resolve()
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    assert config["is_causal"] is True and config["block_size"] == 7
+    assert check_checkpoint(out / "drafter").ok
+    drafter = ReferenceDrafter.from_pretrained(out / "drafter")  # heads through drafter/target
+    assert drafter.config.causal
+    assert "causal block 7" in (out / "README.md").read_text()
+    assert "target reused from" in (out / "README.md").read_text()
+
+
 def test_split_is_deterministic_and_by_path_hash() -> None:
     root = tp.stdlib_root()
     train, heldout = tp.split_files(root, max_files=200)

@@ -30,6 +30,8 @@ RUNS: dict[str, tuple[str | None, dict[str, str]]] = {
     "fp8-dynamic": ("drafter-fp8-dynamic", {}),
     # The same numerics in NVIDIA ModelOpt's layout (FP8_PER_CHANNEL_PER_TOKEN, excludes by checkpoint name).
     "modelopt": ("drafter-modelopt", {}),
+    # A causal-block drafter of the same target (train-pair --causal --target-pair: Block5 / K3.1-Pro's kind).
+    "causal": ("drafter-causal", {}),
     "probabilistic": (
         "drafter",
         {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"},
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "drafter-fp8": args.fp8 or args.pair / "drafter-fp8",
         "drafter-fp8-dynamic": args.pair / "drafter-fp8-dynamic",
         "drafter-modelopt": args.pair / "drafter-modelopt",
+        "drafter-causal": args.pair / "drafter-causal",
     }
     prompts = heldout_prompts(args.pair, args.prompts, args.prompt_tokens)
     results = serve_pair(

@@ -291,14 +291,18 @@ def drafter_loss(drafter, target, ids: torch.Tensor, anchors: torch.Tensor) -> d
     return {"loss": loss, **parts, "accepted": accepted}
 
 
-def build_drafter(target, mask_token_id: int, sizes: PairSizes, seed: int):
+def build_drafter(target, mask_token_id: int, sizes: PairSizes, seed: int, causal: bool = False):
     """A trainable FP32 :class:`ReferenceDrafter` like ``target``; its shared heads stay frozen."""
     from vllm_dspark.checkpoint_tools.make_random import like_config_json, random_drafter_tensors
     from vllm_dspark.config import K3DSparkConfig
+    from vllm_dspark.fields import DEFAULT_DRAFT_BLOCK
     from vllm_dspark.reference.drafter import ReferenceDrafter
 
     config_json = like_config_json(target.config.to_dict(), num_layers=sizes.draft_layers)
-    config_json["mask_token_id"] = mask_token_id
+    # The block it is trained on is known, so the config states it; a causal block as Block5 / K3.1-Pro.
+    config_json.update(mask_token_id=mask_token_id, block_size=DEFAULT_DRAFT_BLOCK)
+    if causal:
+        config_json["is_causal"] = True
     config = K3DSparkConfig(**config_json)
     state = {k: v.float() for k, v in random_drafter_tensors(config, seed=seed)}
     drafter = ReferenceDrafter.from_state_dict(
@@ -440,13 +444,13 @@ def _versions() -> dict:
 README = """# Trained target + DSpark drafter pair
 
 Made by `{command}` (seed {seed}) in {minutes:.1f} min on this machine ({threads} torch threads):
-target {target_run}/{target_planned} steps (final loss {target_loss:.3f}), drafter
+{target_line}, drafter
 {drafter_run}/{drafter_planned} steps.
 `train_log.json` has the versions, sizes, step counts and every loss; `loss_curves.png` plots them.
 
 - `target/`: transformers `DeepseekV3ForCausalLM` (dense, {target_layers} layers, hidden {hidden},
   MLA latent 512 + 64), BF16, with its byte-level BPE tokenizer (vocab {vocab}).
-- `drafter/`: the K3 DSpark drafter ({draft_layers} layers, block {block}, aux layers {aux}, mask
+- `drafter/`: the K3 DSpark drafter ({draft_layers} layers, {causal} block {block}, aux layers {aux}, mask
   token {mask}, Markov and confidence heads); `drafter/target/` holds the target's shared heads.
 - Text: the standard library of Python {python}: {train_files} files to train on, {heldout_files}
   held out (`heldout_files.txt`, sha256(path) % {modulus} == 0).
@@ -466,16 +470,24 @@ def train_pair(
     progress: bool = True,
     overwrite: bool = False,
     command: str = "vllm-dspark train-pair",
+    causal: bool = False,
+    target_pair: Path | None = None,
 ) -> dict:
-    """Train the pair into ``out_dir`` (built beside it, renamed into place); returns the log."""
+    """Train the pair into ``out_dir`` (built beside it, renamed into place); returns the log.
+
+    ``causal`` trains a causal-block drafter. ``target_pair`` (a pair this command wrote) reuses its
+    target and tokenizer instead of training them: ``out_dir/target`` links to it.
+    """
+    from tokenizers import Tokenizer
     from transformers import DeepseekV3ForCausalLM
 
+    from vllm_dspark.checkpoint.save import save_drafter
     from vllm_dspark.checkpoint_tools.make_random import save_drafter_with_heads
     from vllm_dspark.reference.drafter import ReferenceDrafter
     from vllm_dspark.safety import check_output, refuse_nonempty, staged
 
     root = stdlib_root()
-    check_output(out_dir, [root], flag="--out")
+    check_output(out_dir, [root, *([target_pair] if target_pair else [])], flag="--out")
     refuse_nonempty(out_dir, overwrite=overwrite, flag="--out")
     torch.set_num_threads(sizes.threads)
     start = time.monotonic()
@@ -485,38 +497,61 @@ def train_pair(
 
     train_files, heldout_files = split_files(root, sizes.max_files)
     texts = read_texts(root, train_files)
-    tokenizer = train_tokenizer(texts, sizes.vocab_size)
+    if target_pair is None:
+        tokenizer = train_tokenizer(texts, sizes.vocab_size)
+    else:
+        tokenizer = Tokenizer.from_file(str(target_pair / "target" / "tokenizer.json"))
     vocab_size = tokenizer.get_vocab_size()
     stream = token_stream(tokenizer, texts)
     prompts = heldout_prompts(tokenizer, root, heldout_files, sizes, seed)
 
-    target = DeepseekV3ForCausalLM(target_config(sizes, vocab_size))
-    target_curve = train_target(
-        target, stream, sizes, generator, start + TARGET_SHARE * budget, progress
-    )
+    if target_pair is None:
+        target = DeepseekV3ForCausalLM(target_config(sizes, vocab_size))
+        target_curve = train_target(
+            target, stream, sizes, generator, start + TARGET_SHARE * budget, progress
+        )
+    else:
+        target = DeepseekV3ForCausalLM.from_pretrained(
+            target_pair / "target", dtype=torch.float32
+        ).eval()
+        target_curve = []
     # The drafter learns the target vLLM serves: BF16 weights (computed here in FP32).
     with torch.no_grad():
         for param in target.parameters():
             param.copy_(param.to(torch.bfloat16))
             param.requires_grad_(False)
-    drafter, config_json = build_drafter(target, tokenizer.token_to_id(SPECIALS[2]), sizes, seed)
+    drafter, config_json = build_drafter(
+        target, tokenizer.token_to_id(SPECIALS[2]), sizes, seed, causal
+    )
     drafter_curve = train_drafter(
         drafter, target, stream, sizes, generator, start + budget, progress
     )
     train_seconds = time.monotonic() - start
 
     with staged(out_dir, directory=True) as staging:
-        target.to(torch.bfloat16).save_pretrained(staging / "target")
-        save_tokenizer(tokenizer, staging / "target")
         state = drafter.state_dict()
-        save_drafter_with_heads(
-            staging / "drafter",
-            config_json,
-            [(k, state[k].to(torch.bfloat16)) for k in _checkpoint_keys(drafter.config)],
-            embed_tokens=state["embed_tokens.weight"].to(torch.bfloat16),
-            lm_head=state["lm_head.weight"].to(torch.bfloat16),
-            target_config=staging / "target" / "config.json",
-        )
+        drafter_tensors = [
+            (k, state[k].to(torch.bfloat16)) for k in _checkpoint_keys(drafter.config)
+        ]
+        if target_pair is None:
+            target.to(torch.bfloat16).save_pretrained(staging / "target")
+            save_tokenizer(tokenizer, staging / "target")
+            save_drafter_with_heads(
+                staging / "drafter",
+                config_json,
+                drafter_tensors,
+                embed_tokens=state["embed_tokens.weight"].to(torch.bfloat16),
+                lm_head=state["lm_head.weight"].to(torch.bfloat16),
+                target_config=staging / "target" / "config.json",
+            )
+        else:
+            # Links, not copies: the target's file holds the shared heads under the names read.
+            (staging / "target").symlink_to(
+                os.path.relpath(target_pair.resolve() / "target", Path(out_dir).resolve()),
+                target_is_directory=True,
+            )
+            save_drafter(staging / "drafter", config_json, drafter_tensors)
+            (staging / "drafter" / "target").symlink_to("../target", target_is_directory=True)
         (staging / "heldout_files.txt").write_text("".join(f + "\n" for f in heldout_files))
         prompt_file = {"prompt_tokens": sizes.prompt_tokens, "seed": seed, "prompts": prompts}
         (staging / "heldout_prompts.json").write_text(json.dumps(prompt_file, indent=1) + "\n")
@@ -542,7 +577,8 @@ def train_pair(
                 "vocab_size": vocab_size,
             },
             "target": {
-                "steps_planned": sizes.target_steps,
+                "from": None if target_pair is None else str(target_pair),
+                "steps_planned": 0 if target_pair else sizes.target_steps,
                 "steps_run": len(target_curve),
                 "curve": target_curve,
             },
@@ -574,9 +610,13 @@ def _readme(log: dict, config, prompts: list[dict]) -> str:
         seed=log["seed"],
         minutes=log["train_seconds"] / 60,
         threads=log["versions"]["torch_threads"],
-        target_run=log["target"]["steps_run"],
-        target_planned=log["target"]["steps_planned"],
-        target_loss=log["target"]["curve"][-1]["loss"],
+        target_line=(
+            f"target {log['target']['steps_run']}/{log['target']['steps_planned']} steps (final loss "
+            f"{log['target']['curve'][-1]['loss']:.3f})"
+            if log["target"]["from"] is None
+            else f"target reused from {log['target']['from']} (`target/` links to it)"
+        ),
+        causal="causal" if config.causal else "non-causal",
         drafter_run=log["drafter"]["steps_run"],
         drafter_planned=log["drafter"]["steps_planned"],
         target_layers=sizes["target_layers"],

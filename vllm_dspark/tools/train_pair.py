@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from vllm_dspark.pair import PairSizes
 from vllm_dspark.tools.cli import ArgumentParser, add_out, add_shared
@@ -23,6 +24,18 @@ def build_parser() -> ArgumentParser:
         type=float,
         default=None,
         help="wall-clock cap: training stops early when reached (recorded; steps run are logged)",
+    )
+    parser.add_argument(
+        "--causal",
+        action="store_true",
+        help="train a causal-block drafter (is_causal: true, as Block5 and the K3.1-Pro preview)",
+    )
+    parser.add_argument(
+        "--target-pair",
+        type=Path,
+        default=None,
+        help="a pair this command wrote: reuse its target and tokenizer (OUT/target links to it) "
+        "and train only a drafter",
     )
     add_shared(parser, seed=True, overwrite=True, progress=True)
     defaults = PairSizes()
@@ -52,11 +65,18 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         overwrite=args.overwrite,
         command=command.strip(),
+        causal=args.causal,
+        target_pair=args.target_pair,
     )
     check = log["greedy_check"]
+    curve = log["target"]["curve"]
+    target = (
+        f"target {len(curve)} steps (final loss {curve[-1]['loss']:.3f})"
+        if curve
+        else f"target from {args.target_pair}"
+    )
     print(
-        f"wrote {args.out} in {log['train_seconds'] / 60:.1f} min: target {log['target']['steps_run']} "
-        f"steps (final loss {log['target']['curve'][-1]['loss']:.3f}), drafter "
+        f"wrote {args.out} in {log['train_seconds'] / 60:.1f} min: {target}, drafter "
         f"{log['drafter']['steps_run']} steps; held-out greedy tau {check['tau']:.2f} over "
         f"{check['steps']} blocks"
     )
