@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.scales import rewrite_scales
+from tests.support.scales import copy_checkpoint, rewrite_scales
+from vllm_dspark.checkpoint import modelopt
 from vllm_dspark.checkpoint.check import check_checkpoint
 from vllm_dspark.checkpoint.formats import ONE_VALUE_SHAPES, TensorSpec
 from vllm_dspark.checkpoint.layout import MODULE_SETS
@@ -48,6 +49,19 @@ def build(source: Path, root: Path, export: str, fmt: str) -> Path:
             source, out, fmt, MODULE_SETS["modelopt"], progress=False, export=export
         )
     return out
+
+
+def with_legacy_input_scales(written: Path, dest: Path) -> list[str]:
+    """A copy of ModelOpt W4A16 NVFP4 build ``written`` with an ``input_scale`` beside every
+    ``weight_scale_2``, as older ModelOpt exports store it (W4A4's calibration-free value, [])."""
+    value = modelopt.quantize(torch.ones(1, 16), "nvfp4-w4a4")["input_scale"]
+
+    def edit(key: str, _) -> dict[str, torch.Tensor | None]:
+        if not key.endswith(".weight_scale_2"):
+            return {key: None}
+        return {key: None, key.removesuffix("weight_scale_2") + "input_scale": value}
+
+    return copy_checkpoint(written, dest, edit)
 
 
 def other_shape(model_dir: Path) -> tuple[int, ...]:
@@ -178,3 +192,31 @@ def test_a_per_tensor_scale_of_another_shape_is_still_refused(
         FindingError, match=re.escape(f"tensor '{key}' has shape (2,), expected shape (1,) or ()")
     ):
         load_drafter_state_dict(bad)
+
+
+def test_modelopt_w4a16_nvfp4_with_legacy_input_scales_checks_and_loads_as_without(
+    builds: Path, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """vLLM's ModelOpt linear method registers a W4A16 NVFP4 ``input_scale`` only to drop it after
+    loading (older exports store one), so such a build is the W4A16 build it holds, not W4A4."""
+    written = build(tiny_checkpoint, builds, "modelopt", "nvfp4")
+    legacy = tmp_path / "legacy"
+    added = with_legacy_input_scales(written, legacy)
+    assert len(added) == len(check_checkpoint(written).quantized_modules)
+    report = check_checkpoint(legacy)
+    assert report.ok, report.render()
+    assert set(report.quantized_modules.values()) == {"nvfp4"}
+    _, ours = load_drafter_state_dict(legacy, dtype=None)
+    _, theirs = load_drafter_state_dict(written, dtype=None)
+    for key, tensor in theirs.items():
+        assert torch.equal(ours[key], tensor), key
+    assert _quantizers(legacy) == {}  # weight-only: no input is quantized
+    # Only ModelOpt's W4A16 takes it: its W4A4 build needs its input_scale, and a compressed-tensors
+    # W4A16 build has no input_global_scale parameter in vLLM.
+    w4a4 = build(tiny_checkpoint, builds, "modelopt", "nvfp4-w4a4")
+    missing = tmp_path / "w4a4-without"
+    key = "context_proj.input_scale"
+    copy_checkpoint(w4a4, missing, lambda k, _: {} if k == key else {k: None})
+    assert f"{key}: missing; the nvfp4-w4a4 module context_proj needs it" in (
+        check_checkpoint(missing).render()
+    )

@@ -3,14 +3,15 @@
 
 AutoFP8 and some ModelOpt versions store a per-tensor scale as a 0-dim tensor (shape ``[]``) where
 compressed-tensors and ModelOpt 0.47's FP8 write ``[1]`` (0.47's NVFP4 writes ``[]``); some exports
-keep scales in BF16 or F16. :func:`rewrite_scales` writes such a copy through the project's
-safetensors layer (:mod:`vllm_dspark.checkpoint.st_io`): each shard under its own name and in its own
-key order, every other tensor's bytes copied as they are, the other files (config.json, the index,
-hf_quant_config.json, the target heads) beside them.
+keep scales in BF16 or F16; older ModelOpt W4A16 NVFP4 exports keep an ``input_scale``. The copies are
+written through the project's safetensors layer (:mod:`vllm_dspark.checkpoint.st_io`): each shard under
+its own name and in its own key order, every tensor not edited copied byte for byte, the other files
+(config.json, hf_quant_config.json, the target heads) beside them and the index, if any, re-listed.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,47 @@ from vllm_dspark.checkpoint.st_io import (
     read_header,
     read_tensor,
 )
+from vllm_dspark.checkpoint.store import INDEX_NAME
+
+# What to store in a stored tensor's place: {key: new tensor, or None for the stored one as it is}.
+Edit = Callable[[str, StoredTensor], dict[str, torch.Tensor | None]]
+
+
+def copy_checkpoint(source: Path, dest: Path, edit: Edit) -> list[str]:
+    """Copy checkpoint ``source`` to ``dest``, each stored tensor replaced by what ``edit`` returns for
+    it; the keys written anew or left out (never none: a copy that changes nothing tests nothing)."""
+    dest.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.is_dir():
+            (dest / path.name).symlink_to(path.resolve(), target_is_directory=True)
+        elif path.suffix != ".safetensors" and path.name != INDEX_NAME:
+            shutil.copyfile(path, dest / path.name)
+    written, weight_map = [], {}
+    for shard in sorted(source.glob("*.safetensors")):
+        header = read_header(shard)
+        out = {}
+        for key, stored in header.items():
+            edited = edit(key, stored)
+            if key not in edited:
+                written.append(key)  # left out
+            for new_key, tensor in edited.items():
+                out[new_key] = stored if tensor is None else tensor.contiguous()
+        entries = [
+            t.entry(k) if isinstance(t, StoredTensor) else Entry.of(k, t) for k, t in out.items()
+        ]
+        with SafetensorsWriter(dest / shard.name, entries) as writer:
+            for key, tensor in out.items():
+                if isinstance(tensor, StoredTensor):
+                    writer.copy(key, tensor)
+                else:
+                    writer.write(key, tensor)
+                    written.append(key)
+        weight_map.update(dict.fromkeys(out, shard.name))
+    if (source / INDEX_NAME).is_file():
+        index = json.loads((source / INDEX_NAME).read_text())
+        (dest / INDEX_NAME).write_text(json.dumps({**index, "weight_map": weight_map}, indent=2))
+    assert written, f"nothing of {source} was rewritten"
+    return written
 
 
 def one_value_scale(key: str, stored: StoredTensor) -> bool:
@@ -39,25 +81,10 @@ def rewrite_scales(
     *,
     which: Callable[[str, StoredTensor], bool] = one_value_scale,
 ) -> list[str]:
-    """Copy checkpoint ``source`` to ``dest`` with ``change(tensor)`` stored for every key ``which`` picks;
-    the keys changed, in order (never none: a copy that changes nothing tests nothing)."""
-    dest.mkdir(parents=True)
-    for path in source.iterdir():
-        if path.is_dir():
-            (dest / path.name).symlink_to(path.resolve(), target_is_directory=True)
-        elif path.suffix != ".safetensors":
-            shutil.copyfile(path, dest / path.name)
-    changed = []
-    for shard in sorted(source.glob("*.safetensors")):
-        header = read_header(shard)
-        new = {key: change(read_tensor(shard, key)) for key, t in header.items() if which(key, t)}
-        entries = [Entry.of(k, new[k]) if k in new else t.entry(k) for k, t in header.items()]
-        with SafetensorsWriter(dest / shard.name, entries) as writer:
-            for key, stored in header.items():
-                if key in new:
-                    writer.write(key, new[key])
-                else:
-                    writer.copy(key, stored)
-        changed += new
-    assert changed, f"{source} has no scale to rewrite"
-    return changed
+    """Copy checkpoint ``source`` to ``dest`` with ``change(tensor)`` stored for every key ``which``
+    picks (by default every per-tensor scale); the keys changed, in order."""
+
+    def edit(key: str, stored: StoredTensor) -> dict[str, torch.Tensor | None]:
+        return {key: change(read_tensor(stored.path, key)) if which(key, stored) else None}
+
+    return copy_checkpoint(source, dest, edit)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checkpoint.test_scale_shapes import build, other_shape
+from tests.checkpoint.test_scale_shapes import build, other_shape, with_legacy_input_scales
 from tests.support.scales import rewrite_scales
 from tests.support.vllm_drafter import Served, bind_caches, load_drafter, make_batch, run_block
 from vllm_dspark.tools.vllm_load import load_with_vllm
@@ -139,3 +139,16 @@ def test_bf16_scales_serve_as_their_float32_values(
         serve(tiny_mla_target, narrow),
         load_drafter(tiny_mla_target, rounded, dtype=BF16),
     )
+
+
+def test_modelopt_w4a16_nvfp4_with_legacy_input_scales_serves_as_without(
+    builds: Path, tiny_checkpoint: Path, tiny_mla_target: Path, tmp_path: Path
+) -> None:
+    """Older ModelOpt W4A16 NVFP4 exports store an ``input_scale`` vLLM loads and drops: served (doctor
+    on) exactly as the build without them."""
+    written = build(tiny_checkpoint, builds, "modelopt", "nvfp4")
+    legacy = tmp_path / "legacy"
+    with_legacy_input_scales(written, legacy)
+    served = serve(tiny_mla_target, legacy)
+    assert not any(hasattr(m, "input_scale") for m in _quantized_linears(served).values())
+    assert_served_the_same(served, load_drafter(tiny_mla_target, written, dtype=BF16))

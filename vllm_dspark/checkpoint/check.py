@@ -145,10 +145,10 @@ def _scale_problems(
         fmt = quantized.get(spec.name)
         if fmt is None:
             continue
-        for suffix in stored_tensor_specs(fmt, spec.shape, encoding):
+        for suffix, tensor_spec in stored_tensor_specs(fmt, spec.shape, encoding).items():
             key = f"{spec.name}.{suffix}"
-            if not formats.is_scale(suffix) or key not in stored:
-                continue  # a missing scale is already a missing-tensor problem
+            if not formats.is_scale(suffix) or key not in stored or tensor_spec.optional:
+                continue  # a missing scale is already a missing-tensor problem; vLLM drops an optional one
             scale = read_tensor(stored[key].path, key)
             bad = invalid_scale_count(scale)
             if bad:

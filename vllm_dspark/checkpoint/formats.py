@@ -49,12 +49,14 @@ class TensorSpec:
 
     A one-value tensor (a per-tensor scale) is stored as [1] or as []: :attr:`shapes` names both,
     :meth:`fits` takes both, and :meth:`conform` gives any of them this spec's own :attr:`shape` (and
-    any of :attr:`dtypes` its :attr:`dtype`).
+    any of :attr:`dtypes` its :attr:`dtype`). An ``optional`` tensor is one vLLM takes when stored and
+    does without (nothing computes with it; writers leave it out).
     """
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     also: tuple[torch.dtype, ...] = ()
+    optional: bool = False
 
     @property
     def shapes(self) -> tuple[tuple[int, ...], ...]:

@@ -137,6 +137,7 @@ def tensor_specs(fmt: str, shape: tuple[int, int]) -> dict[str, TensorSpec]:
 
     Per-tensor scales as 0.47 writes them: [1] for FP8, [] for NVFP4 (either loads, see
     :attr:`TensorSpec.shapes`); every scale but NVFP4's E4M3 block scales also loads from BF16 or F16.
+    W4A16 NVFP4 may hold older exports' ``input_scale`` (optional: vLLM loads it and drops it).
     """
     n, k = shape
     scalar = TensorSpec(torch.float32, (1,), also=SCALE_DTYPES)
@@ -156,9 +157,15 @@ def tensor_specs(fmt: str, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         "weight_scale": TensorSpec(torch.float8_e4m3fn, (n, k // NVFP4_BLOCK)),
         "weight_scale_2": TensorSpec(torch.float32, (), also=SCALE_DTYPES),
     }
-    if formats.get(fmt).activation is not None:
-        specs["input_scale"] = TensorSpec(torch.float32, (), also=SCALE_DTYPES)
+    weight_only = formats.get(fmt).activation is None
+    specs["input_scale"] = TensorSpec(torch.float32, (), also=SCALE_DTYPES, optional=weight_only)
     return specs
+
+
+# What a module's tensors may read as (by :func:`canonical_dtypes`) beside its own format: older
+# W4A16 NVFP4 exports keep an input_scale, which vLLM registers for them only to drop it after loading
+# (its ModelOpt linear method's _DropInputScale), so their tensors are W4A4's.
+ALSO_STORED_AS = {"nvfp4": "nvfp4-w4a4"}
 
 
 def canonical_dtypes(dtypes: Mapping[str, str]) -> dict[str, str]:

@@ -386,7 +386,7 @@ def resolve(
         conflicts = [
             _disagreement(s, _shown(known[s.name]), *said[s.name])
             for s in specs
-            if s.name in known and not _agrees(known[s.name], said[s.name][0])
+            if s.name in known and not _agrees(known[s.name], said[s.name][0], encoding)
         ]
         return {name: said[name][0] for name in quantized}, conflicts
 
@@ -427,8 +427,11 @@ def _rewrite_warning(readings: Mapping[str, tuple[str, str]], names: list[str]) 
     )
 
 
-def _agrees(stored: tuple[str, ...] | None, said: str | None) -> bool:
-    return said is None if stored is None else said in stored
+def _agrees(stored: tuple[str, ...] | None, said: str | None, encoding: str) -> bool:
+    if stored is None or said is None:
+        return stored is None and said is None
+    also = modelopt.ALSO_STORED_AS.get(said) if encoding == modelopt.ENCODING else None
+    return said in stored or also in stored
 
 
 def declared(config: K3DSparkConfig, quantization_config: Mapping[str, Any]) -> dict[str, str]:

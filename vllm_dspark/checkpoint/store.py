@@ -222,6 +222,10 @@ def _fits(shape: tuple[int, ...], want: _Expected) -> bool:
     return want.fits(shape) if isinstance(want, TensorSpec) else tuple(shape) == tuple(want)
 
 
+def _optional(want: _Expected) -> bool:
+    return isinstance(want, TensorSpec) and want.optional
+
+
 def shape_text(want: _Expected) -> str:
     """The shape(s) ``want`` takes, for a message: ``(64, 1)``, ``(1,) or ()``."""
     return want.shape_text() if isinstance(want, TensorSpec) else str(tuple(want))
@@ -231,7 +235,11 @@ def shape_mismatches(
     found: Mapping[str, tuple[int, ...]], expected: Mapping[str, _Expected]
 ) -> tuple[list[str], list[str], list[str]]:
     """The ``(missing, mis-shaped, unexpected)`` keys of ``found`` against ``expected``."""
-    missing = [key for key in expected if key not in found and key not in OPTIONAL_KEYS]
+    missing = [
+        key
+        for key in expected
+        if key not in found and key not in OPTIONAL_KEYS and not _optional(expected[key])
+    ]
     misshaped = [key for key in expected if key in found and not _fits(found[key], expected[key])]
     return missing, misshaped, [key for key in found if key not in expected]
 
@@ -497,6 +505,7 @@ def _dequantize(
     parts = {  # each as vLLM's parameter holds it: a [] scale as [1], a BF16 scale in float32, ...
         suffix: spec.conform(read(f"{module}.{suffix}"))
         for suffix, spec in stored_tensor_specs(fmt, shape, encoding).items()
+        if not spec.optional  # nothing computes with it
     }
     for suffix, tensor in parts.items():
         bad = invalid_scale_count(tensor) if formats.is_scale(suffix) else 0

@@ -104,7 +104,9 @@ class _Item:
         ]
 
     def part_specs(self) -> dict[str, formats.TensorSpec]:
-        return stored_tensor_specs(self.fmt, self.module.shape, self.encoding)
+        """The tensors it writes: its format's, the optional ones left out."""
+        specs = stored_tensor_specs(self.fmt, self.module.shape, self.encoding)
+        return {suffix: spec for suffix, spec in specs.items() if not spec.optional}
 
 
 @dataclass(frozen=True)
