@@ -160,6 +160,7 @@ def test_serve_time_hook_refuses_a_conflicting_build_before_the_target_loads(
         speculative_config={
             "method": "dspark",
             "model": str(model_dir),
+            "num_speculative_tokens": 7,
             "attention_backend": "TRITON_MLA",
         },
     )
@@ -174,6 +175,7 @@ def test_serve_time_hook_refuses_a_conflicting_build_before_the_target_loads(
         speculative_config={
             "method": "dspark",
             "model": str(encodings("fp8", "include-layer-suffixes")),
+            "num_speculative_tokens": 7,
             "attention_backend": "TRITON_MLA",
         },
     )

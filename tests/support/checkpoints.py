@@ -62,7 +62,7 @@ def random_variant(out: Path, name: str, *, seed: int = 0) -> Path:
     """A random ``tiny`` drafter of variant ``name`` (:data:`TINY_VARIANTS`) with its target heads,
     written through the project's own writers in the published layout."""
     from vllm_dspark.checkpoint.layout import TARGET_HEADS
-    from vllm_dspark.checkpoint.presets import preset_config_json
+    from vllm_dspark.checkpoint.presets import PUBLISHED_METADATA, preset_config_json
     from vllm_dspark.checkpoint.save import save_drafter
     from vllm_dspark.checkpoint.st_io import save_tensors
     from vllm_dspark.checkpoint.store import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY
@@ -75,7 +75,9 @@ def random_variant(out: Path, name: str, *, seed: int = 0) -> Path:
     embed = tensors["embed_tokens.weight"]
     if name == "no-embed":
         del tensors["embed_tokens.weight"]
-    save_drafter(out, config_json, list(tensors.items()))
+    save_drafter(
+        out, config_json, list(tensors.items()), single_file=True, metadata=PUBLISHED_METADATA
+    )
     lm_head = random_lm_head(config, seed=seed)
     save_tensors(out / TARGET_HEADS, {TARGET_EMBED_KEY: embed, TARGET_LM_HEAD_KEY: lm_head})
     return out

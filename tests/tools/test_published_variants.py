@@ -123,3 +123,43 @@ def test_drift_harness_runs_on_the_variant(variant_checkpoints, name: str, tmp_p
     assert result["config"]["block_size"] == config.draft_block_size
     assert result["config"]["causal"] is config.causal
     assert {c["variant"] for c in result["cells"]} >= {"bf16", "fp8"}
+
+
+def test_check_and_draft_on_a_small_drafter_with_exactly_the_published_key_set(
+    tmp_path: Path,
+) -> None:
+    """The published document's keys, in its order, with nothing added: only sizes are smaller
+    (the latent stays 512 + 64, so no target_kv_latent_dim is needed)."""
+    from vllm_dspark.checkpoint.layout import TARGET_HEADS
+    from vllm_dspark.checkpoint.presets import PUBLISHED_K3, preset_config_json
+    from vllm_dspark.checkpoint.save import save_drafter
+    from vllm_dspark.checkpoint.st_io import save_tensors
+    from vllm_dspark.checkpoint.store import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY
+    from vllm_dspark.checkpoint_tools.make_random import random_drafter_tensors, random_lm_head
+    from vllm_dspark.config import K3DSparkConfig
+
+    doc = preset_config_json("k3")
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
+    sizes |= dict(num_key_value_heads=2, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16)
+    sizes |= dict(vocab_size=512, draft_vocab_size=512, target_hidden_size=64, markov_rank=8)
+    sizes |= dict(target_num_hidden_layers=8, target_layer_ids=[1, 2, 4, 5, 6])
+    sizes |= dict(mask_token_id=509, bos_token_id=504, eos_token_id=506, pad_token_id=511)
+    doc.update(sizes)
+    assert list(doc) == list(PUBLISHED_K3)
+    config = K3DSparkConfig(**doc)
+    tensors = dict(random_drafter_tensors(config, seed=0))
+    model = tmp_path / "drafter"
+    save_drafter(model, doc, list(tensors.items()))
+    heads = {
+        TARGET_EMBED_KEY: tensors["embed_tokens.weight"],
+        TARGET_LM_HEAD_KEY: random_lm_head(config, seed=0),
+    }
+    save_tensors(model / TARGET_HEADS, heads)
+    assert list(json.loads((model / "config.json").read_text())) == list(PUBLISHED_K3)
+    assert check_checkpoint(model).ok
+    inputs, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    assert cli.main(["draft", "--model", str(model), "--example-inputs", str(inputs)]) == 0
+    assert (
+        cli.main(["draft", "--model", str(model), "--inputs", str(inputs), "--out", str(out)]) == 0
+    )
+    assert load_file(str(out))["draft_tokens"].shape[1] == 7  # no block_size: the tools draft 7
