@@ -668,7 +668,25 @@ for field in REQUIRED_FIELDS:
         f"required field(s) {field} missing",
         lambda t, c, f=field: check_argv(edit_config(copy_input(c["bf16"], t), **{f: DROP}), t),
     )
-for field in ("hidden_size", "vocab_size", "block_size"):
+# Variant fields that change the math: a wrong value is refused by name, a variant without its tensors too.
+for tag, code, message, changes in (
+    (
+        "fc_norm-without-its-tensors",
+        1,
+        "missing; the unquantized module fc_norm.0",
+        {"fc_norm": True},
+    ),
+    ("unknown-aux-stream", 1, "aux_hidden_stream", {"aux_hidden_stream": "mtp"}),
+    ("sliding-window", 1, "dflash_config.use_swa", {"dflash_config": {"use_swa": True}}),
+    ("is_causal-not-a-bool", 1, "is_causal: must be true or false", {"is_causal": "yes"}),
+):
+    add(
+        f"check-{tag}",
+        code,
+        message,
+        lambda t, c, ch=changes: check_argv(edit_config(copy_input(c["bf16"], t), **ch), t),
+    )
+for field in ("hidden_size", "vocab_size", "markov_rank"):
     add(
         f"draft-missing-{field}",
         2,

@@ -311,8 +311,16 @@ def test_index_and_shards_disagree(tiny_checkpoint: Path, tmp_path: Path) -> Non
     ):
         load_drafter_state_dict(broken)
 
+    # Without the index every *.safetensors file counts, as vLLM loads them; a key in two is refused.
     index_path.unlink()
-    with pytest.raises(ValueError, match="has shards .* but no model.safetensors.index.json"):
+    _, state = load_drafter_state_dict(broken)
+    assert key in state
+    first = sorted(broken.glob("model-*.safetensors"))[0]
+    (broken / "extra.safetensors").symlink_to(first.resolve())
+    with pytest.raises(
+        ValueError,
+        match=r"is in both extra.safetensors and model-00001.*no model.safetensors.index.json",
+    ):
         load_drafter_state_dict(broken)
 
 

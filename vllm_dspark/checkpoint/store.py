@@ -332,24 +332,28 @@ def _weight_map(model_dir: Path) -> dict[str, Path]:
                 )
             )
         return {key: model_dir / name for key, name in weight_map.items()}
-    single = model_dir / SINGLE_FILE_NAME
-    if single.is_file():
-        return dict.fromkeys(read_header(single), single)
-    shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
-    if shards:
+    # Without an index vLLM loads every *.safetensors file of the directory, whatever its name.
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
         raise FindingError(
             Finding(
-                f"{model_dir} has shards ({', '.join(shards[:3])}"
-                f"{', ...' if len(shards) > 3 else ''}) but no {INDEX_NAME}",
-                "copy the index file that came with them",
+                f"{model_dir} holds no weights ({SINGLE_FILE_NAME}, *.safetensors or {INDEX_NAME})",
+                "pass the directory the checkpoint was downloaded or exported to",
             )
         )
-    raise FindingError(
-        Finding(
-            f"{model_dir} holds no weights ({SINGLE_FILE_NAME} or {INDEX_NAME})",
-            "pass the directory the checkpoint was downloaded or exported to",
-        )
-    )
+    weight_map: dict[str, Path] = {}
+    for path in files:
+        for key in read_header(path):
+            if key in weight_map:
+                raise FindingError(
+                    Finding(
+                        f"tensor {key!r} is in both {weight_map[key].name} and {path.name}, and "
+                        f"{model_dir} has no {INDEX_NAME} to say which one counts",
+                        "remove the stale file, or copy the index that came with the shards",
+                    )
+                )
+            weight_map[key] = path
+    return weight_map
 
 
 def stored_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
