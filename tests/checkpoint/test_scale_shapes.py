@@ -17,11 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.scales import copy_checkpoint, rewrite_scales
-from vllm_dspark.checkpoint import modelopt
+from tests.support.scales import (
+    build,
+    copy_checkpoint,
+    other_shape,
+    rewrite_scales,
+    with_legacy_input_scales,
+)
 from vllm_dspark.checkpoint.check import check_checkpoint
-from vllm_dspark.checkpoint.formats import ONE_VALUE_SHAPES, TensorSpec
-from vllm_dspark.checkpoint.layout import MODULE_SETS
+from vllm_dspark.checkpoint.formats import TensorSpec
 from vllm_dspark.checkpoint.st_io import read_header
 from vllm_dspark.checkpoint.store import input_quantizers, load_drafter_state_dict
 from vllm_dspark.findings import FindingError
@@ -37,42 +41,6 @@ BUILDS = [
     ("compressed-tensors", "nvfp4"),
 ]
 IDS = [f"{export}-{fmt}" for export, fmt in BUILDS]
-
-
-def build(source: Path, root: Path, export: str, fmt: str) -> Path:
-    """``source`` quantized to ``fmt`` on every linear (ModelOpt's module set), in ``export``'s encoding."""
-    from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
-
-    out = root / f"{export}-{fmt}"
-    if not out.exists():
-        quantize_checkpoint(
-            source, out, fmt, MODULE_SETS["modelopt"], progress=False, export=export
-        )
-    return out
-
-
-def with_legacy_input_scales(written: Path, dest: Path) -> list[str]:
-    """A copy of ModelOpt W4A16 NVFP4 build ``written`` with an ``input_scale`` beside every
-    ``weight_scale_2``, as older ModelOpt exports store it (W4A4's calibration-free value, [])."""
-    value = modelopt.quantize(torch.ones(1, 16), "nvfp4-w4a4")["input_scale"]
-
-    def edit(key: str, _) -> dict[str, torch.Tensor | None]:
-        if not key.endswith(".weight_scale_2"):
-            return {key: None}
-        return {key: None, key.removesuffix("weight_scale_2") + "input_scale": value}
-
-    return copy_checkpoint(written, dest, edit)
-
-
-def other_shape(model_dir: Path) -> tuple[int, ...]:
-    """The one-value shape ``model_dir`` does not write its per-tensor scales in ([] for [1], [1] for [])."""
-    (written,) = {
-        t.shape
-        for shard in model_dir.glob("*.safetensors")
-        for key, t in read_header(shard).items()
-        if key.endswith(("scale", "scale_2")) and t.shape in ONE_VALUE_SHAPES
-    }
-    return () if written == (1,) else (1,)
 
 
 def _quantizers(model_dir: Path) -> dict[str, tuple[object, float | None]]:

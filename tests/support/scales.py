@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+from vllm_dspark.checkpoint import modelopt
 from vllm_dspark.checkpoint.formats import ONE_VALUE_SHAPES, is_scale
+from vllm_dspark.checkpoint.layout import MODULE_SETS
 from vllm_dspark.checkpoint.st_io import (
     Entry,
     SafetensorsWriter,
@@ -88,3 +90,39 @@ def rewrite_scales(
         return {key: change(read_tensor(stored.path, key)) if which(key, stored) else None}
 
     return copy_checkpoint(source, dest, edit)
+
+
+def build(source: Path, root: Path, export: str, fmt: str) -> Path:
+    """``source`` quantized to ``fmt`` on every linear (ModelOpt's module set), in ``export``'s encoding."""
+    from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
+
+    out = root / f"{export}-{fmt}"
+    if not out.exists():
+        quantize_checkpoint(
+            source, out, fmt, MODULE_SETS["modelopt"], progress=False, export=export
+        )
+    return out
+
+
+def with_legacy_input_scales(written: Path, dest: Path) -> list[str]:
+    """A copy of ModelOpt W4A16 NVFP4 build ``written`` with an ``input_scale`` beside every
+    ``weight_scale_2``, as older ModelOpt exports store it (W4A4's calibration-free value, [])."""
+    value = modelopt.quantize(torch.ones(1, 16), "nvfp4-w4a4")["input_scale"]
+
+    def edit(key: str, _) -> dict[str, torch.Tensor | None]:
+        if not key.endswith(".weight_scale_2"):
+            return {key: None}
+        return {key: None, key.removesuffix("weight_scale_2") + "input_scale": value}
+
+    return copy_checkpoint(written, dest, edit)
+
+
+def other_shape(model_dir: Path) -> tuple[int, ...]:
+    """The one-value shape ``model_dir`` does not write its per-tensor scales in ([] for [1], [1] for [])."""
+    (written,) = {
+        t.shape
+        for shard in model_dir.glob("*.safetensors")
+        for key, t in read_header(shard).items()
+        if key.endswith(("scale", "scale_2")) and t.shape in ONE_VALUE_SHAPES
+    }
+    return () if written == (1,) else (1,)

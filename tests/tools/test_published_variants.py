@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from vllm_dspark.checkpoint.check import check_checkpoint
 from vllm_dspark.checkpoint.st_io import read_header
 from vllm_dspark.checkpoint.store import load_config, stored_tensors
-from vllm_dspark.reference.drafter import ReferenceDrafter, block_key_mask
+from vllm_dspark.ops.masks import block_key_mask, paged_key_mask
+from vllm_dspark.reference.drafter import ReferenceDrafter
 from vllm_dspark.tools import cli
 
 VARIANTS = ["causal", "no-embed", "fc-norm"]
@@ -74,11 +75,14 @@ def test_causal_block_slots_never_see_later_ones(variant_checkpoints) -> None:
     assert results == {"causal": True, "fc-norm": False}
 
 
-def test_block_key_mask() -> None:
-    assert block_key_mask(3, False).all()
-    assert torch.equal(
-        block_key_mask(3, True), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]]).bool()
-    )
+def test_block_and_paged_key_masks() -> None:
+    assert block_key_mask(3, False).all() and block_key_mask(3, False).shape == (3, 3)
+    staircase = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]]).bool()
+    assert torch.equal(block_key_mask(3, True), staircase)
+    # Two cached context positions, then a 3-slot block: the rows are positions 2, 3 and 4.
+    assert paged_key_mask(3, 5, False).all() and paged_key_mask(3, 5, False).shape == (3, 5)
+    context = torch.ones(3, 2, dtype=torch.bool)
+    assert torch.equal(paged_key_mask(3, 5, True), torch.cat([context, staircase], 1))
 
 
 @pytest.mark.parametrize(

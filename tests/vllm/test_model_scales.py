@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checkpoint.test_scale_shapes import build, other_shape, with_legacy_input_scales
-from tests.support.scales import rewrite_scales
+from tests.support.scales import build, other_shape, rewrite_scales, with_legacy_input_scales
 from tests.support.vllm_drafter import Served, bind_caches, load_drafter, make_batch, run_block
 from vllm_dspark.tools.vllm_load import load_with_vllm
 

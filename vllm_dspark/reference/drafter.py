@@ -33,6 +33,7 @@ from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.finite import require_finite
 from vllm_dspark.ops.act_quant import ActScheme
+from vllm_dspark.ops.masks import block_key_mask
 from vllm_dspark.ops.rope import RotaryEmbedding, softmax_scale
 from vllm_dspark.ops.sampling import markov_rollout
 from vllm_dspark.reference.gemm import einsum, linear
@@ -259,12 +260,6 @@ class DraftOutput:
     markov_embeds: torch.Tensor  # [B, N, r] W1[y_{i-1}]
     hidden: torch.Tensor  # [B, N, H] post-final-norm block hidden states
     block_positions: torch.Tensor  # [B, N] int64 positions last+1 .. last+N
-
-
-def block_key_mask(block: int, causal: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[N, N]`` bool: which block slots each slot attends to (all of them, or itself and earlier ones)."""
-    ones = torch.ones(block, block, dtype=torch.bool, device=device)
-    return ones.tril() if causal else ones
 
 
 class ReferenceDrafter(nn.Module):

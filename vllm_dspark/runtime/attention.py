@@ -31,6 +31,7 @@ from vllm.triton_utils import HAS_TRITON
 
 from vllm_dspark.compat import absorbed_weight, keep_weight_on_cpu
 from vllm_dspark.findings import Finding, FindingError
+from vllm_dspark.ops.masks import paged_key_mask
 from vllm_dspark.ops.rope import rotate_pe, softmax_scale
 
 if TYPE_CHECKING:
@@ -234,9 +235,8 @@ class TorchLatentAttention(nn.Module):
             # The rope part of the key is one MQA head shared by every query head.
             scores = torch.einsum("qhd,khd->hqk", q_nope[start:end], k_nope)
             scores = scores + torch.einsum("qhd,kd->hqk", q_pe[start:end], pe)
-            if self.causal:  # query row i is position seq_len - rows + i
-                rows = torch.arange(len(pos) - (end - start), len(pos), device=cache.device)
-                scores = scores.masked_fill(pos > rows[:, None], float("-inf"))
+            visible = paged_key_mask(end - start, len(pos), self.causal, cache.device)
+            scores = scores.masked_fill(~visible, float("-inf"))
             probs = (scores.float() * self.scale).softmax(dim=-1).to(v.dtype)
             out[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
         return out.flatten(1)

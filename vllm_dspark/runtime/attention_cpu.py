@@ -16,6 +16,7 @@ from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonML
 
 from vllm_dspark.compat import k3_mla_backend, keep_weight_on_cpu
 from vllm_dspark.findings import Finding, FindingError
+from vllm_dspark.ops.masks import paged_key_mask
 from vllm_dspark.ops.rope import rotate_pe
 from vllm_dspark.runtime.attention_cuda import K3DSparkMLA
 
@@ -46,11 +47,8 @@ class TorchMLAImpl(TritonMLAImpl):
             latent = cache[slots].float()
             rows = slice(r * query_len, (r + 1) * query_len)
             scores = torch.einsum("qhd,kd->qhk", q[rows].float(), latent) * self.scale
-            if attn_metadata.causal:
-                visible = (
-                    pos <= torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-                )
-                scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+            visible = paged_key_mask(query_len, seq_len, attn_metadata.causal, q.device)
+            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
             lse[rows] = scores.logsumexp(dim=-1)
             out[rows] = torch.einsum(
                 "qhk,kd->qhd", scores.softmax(dim=-1), latent[:, : self.kv_lora_rank]
