@@ -174,16 +174,21 @@ def check_num_speculative_tokens(
             )
         ]
     if block is None:
-        if n == DEFAULT_DRAFT_BLOCK:
-            return []
+        trained = n == DEFAULT_DRAFT_BLOCK
         return [
             Finding(
-                f"{n}: the drafter states no block_size, so vLLM drafts {n}-token blocks, but the "
-                f"published Kimi-K3-DSpark drafters were trained on {DEFAULT_DRAFT_BLOCK}"
-                + ("" if causal else " (a non-causal block of another length drafts garbage)"),
-                f'set "num_speculative_tokens": {DEFAULT_DRAFT_BLOCK}, unless this drafter was trained on {n}',
+                f"{n}: the drafter states no block_size, so vLLM drafts {n}-token blocks"
+                + (
+                    ""
+                    if trained
+                    else f", but the published Kimi-K3-DSpark drafters were trained on {DEFAULT_DRAFT_BLOCK}"
+                    + ("" if causal else " (a non-causal block of another length drafts garbage)")
+                ),
+                ""
+                if trained
+                else f'set "num_speculative_tokens": {DEFAULT_DRAFT_BLOCK}, unless this drafter was trained on {n}',
                 "num_speculative_tokens",
-                "note" if causal else "warning",
+                "note" if trained or causal else "warning",
             )
         ]
     if n is None:
