@@ -1093,3 +1093,12 @@ def test_hook_refuses_a_build_the_gpu_has_no_kernel_for_before_the_target_loads(
         build_spec_config(args)
     monkeypatch.setattr(serve, "serving_machine", lambda: H200)
     assert build_spec_config(args).draft_model_config.architectures == ["K3DSparkModel"]
+
+
+def test_cli_reads_the_aux_stream_from_the_environment(capsys, drafter_dir, monkeypatch) -> None:
+    """The CLI judges the environment it runs in, as the serve-time hook does."""
+    monkeypatch.setenv(facts.AUX_STREAM_ENV, "1")  # the tiny drafter reads the prefix stream
+    rc, out = run_cli(
+        capsys, "-sc", json.dumps(spec(model=str(drafter_dir))), "--compute-capability", "10.0"
+    )
+    assert rc == 1 and "ERROR    aux_hidden_stream:" in out and "unset VLLM_KIMI_K3" in out

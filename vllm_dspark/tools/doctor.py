@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from typing import Any
@@ -19,6 +20,7 @@ from vllm_dspark.doctor.checks import (
     is_k3_drafter,
 )
 from vllm_dspark.doctor.facts import (
+    AUX_STREAM_ENV,
     engine_facts_of,
     load_drafter,
     machine_facts,
@@ -147,6 +149,7 @@ def run(args: argparse.Namespace) -> tuple[list[Finding], list[str]]:
         enable_lora=args.enable_lora,
         pipeline_parallel_size=args.pipeline_parallel_size,
         max_num_seqs=args.max_num_seqs,
+        aux_stream_env=os.environ.get(AUX_STREAM_ENV),
     )
     findings += diagnose(
         spec, drafter=drafter, engine=engine, machine=machine, target=target, schema=schema
