@@ -313,17 +313,18 @@ def test_drafted_blocks_match_the_reference_drafter(served, name: str) -> None:
     )
 
 
-def test_the_causal_drafter_was_served_causally(served, tmp_path: Path) -> None:
-    """Its blocks are not those of the same weights attending non-causally: the engine applied the mask."""
-    from tests.support.checkpoints import variant
+def test_the_causal_drafter_was_served_causally(served) -> None:
+    """vLLM's metadata builder gave the causal drafter's layers causal metadata, and the others not.
 
-    causal = served["models"]["drafter-causal"]
+    Its blocks cannot tell: trained causally, the pair's drafter gives block states within 1e-6
+    (relative) of a non-causal reading at these 24-token contexts (its slots learned to ignore the mask
+    slots' keys), so the flag is read instead; that the flag masks is ``test_block_and_paged_key_masks``
+    and the variant tests of ``tests/vllm/test_model.py``.
+    """
+    results = served["results"]
     assert _config(served, "drafter-causal")["is_causal"] is True
-    as_non_causal = variant(causal.resolve(), tmp_path / "non-causal", is_causal=False)
-    blocks = _reference_blocks(as_non_causal, served["captures"]["causal"])
-    assert blocks
-    with pytest.raises(AssertionError):
-        _check_blocks(blocks)
+    assert results["causal"]["draft_attention_causal"] == [True]
+    assert results["bf16"]["draft_attention_causal"] == [False]
 
 
 @pytest.mark.parametrize("broken", ["broken_markov_sign", "broken_aux_layer"])

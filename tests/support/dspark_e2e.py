@@ -126,6 +126,31 @@ class Capture:
         return self.steps
 
 
+class DraftMasks:
+    """Records the ``causal`` flag of the attention metadata each draft layer's impl is given: what
+    vLLM's metadata builder made of the drafter's causality (``use_non_causal``)."""
+
+    def __init__(self, worker) -> None:
+        runner = worker.model_runner
+        layers = runner.vllm_config.compilation_config.static_forward_context
+        names = runner.speculator.model.get_draft_kv_cache_layer_names()
+        self.impls = [layers[name].impl for name in names]
+        self.flags: set[bool] = set()
+        for impl in self.impls:
+            forward = impl.forward_mqa
+
+            def recorded(q, cache, attn_metadata, layer, forward=forward):
+                self.flags.add(bool(attn_metadata.causal))
+                return forward(q, cache, attn_metadata, layer)
+
+            impl.forward_mqa = recorded
+
+    def close(self) -> list[bool]:
+        for impl in self.impls:
+            del impl.forward_mqa  # back to the class's method
+        return sorted(self.flags)
+
+
 def _describe(worker) -> dict:
     """The drafter class, its linears' quant schemes, its KV-cache group and specs, as the worker holds them."""
     runner = worker.model_runner
@@ -189,9 +214,11 @@ def run(platform: str, models: dict[str, Path], out: Path) -> None:
             return dict
         worker = engines.worker(llm)
         capture = Capture(worker.model_runner.speculator)
+        masks = DraftMasks(worker)
 
         def finish() -> dict:
             captures[run] = capture.close()
+            causal_flags = masks.close()
             if run == "bf16":
                 requests = [{"prompt_token_ids": prompts[0]}]
                 captures.update(
@@ -199,7 +226,7 @@ def run(platform: str, models: dict[str, Path], out: Path) -> None:
                         llm, worker, requests, sampling(run, 1, size["broken_tokens"])
                     )
                 )
-            return {"worker": _describe(worker)}
+            return {"worker": _describe(worker), "draft_attention_causal": causal_flags}
 
         return finish
 
