@@ -198,9 +198,8 @@ def test_speculative_configs_are_speculative_config_fields() -> None:
 @pytest.mark.vllm_api
 def test_recipes_pass_the_doctor_on_their_gpu() -> None:
     schema = facts.vllm_schema()
-    drafter = preset_config_json(
-        "tiny"
-    )  # block_size 7, with a confidence head, like the published drafter
+    # No block_size, a confidence head: like the published drafter.
+    drafter = preset_config_json("tiny")
     for name, env, argv in commands(("vllm", "serve")):
         config = json.loads(argv[argv.index("--speculative-config") + 1])
         cc = (
@@ -216,8 +215,8 @@ def test_recipes_pass_the_doctor_on_their_gpu() -> None:
             findings = checks.diagnose(
                 config, drafter=drafter, engine=engine, machine=machine, schema=schema
             )
-            if gpu_name == name:
-                assert findings == [], (name, env, findings)
+            if gpu_name == name:  # notes say what will run (the block), not what is wrong
+                assert [f for f in findings if f.severity != "note"] == [], (name, env, findings)
             elif name == "serve_gb300_multinode.sh":  # FLASHINFER_MLA cannot run on an H200
                 assert [f.where for f in errors(findings)] == ["attention_backend"], (
                     name,
