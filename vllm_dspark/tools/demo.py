@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"--pair {args.pair} has no {name}; pass a `vllm-dspark train-pair` directory "
                 "(the repository's is tests/data/pair)"
             )
+    from vllm_dspark.doctor.torch_builds import refuse_mismatched_torch_builds
+
+    refuse_mismatched_torch_builds()  # before transformers and vLLM load
     from vllm_dspark import cpu_serving
 
     # Before vLLM loads: in-process engines, the interpreter runtime, a small KV cache.

@@ -29,6 +29,7 @@ from vllm_dspark.doctor.facts import (
     unresolved,
     vllm_schema,
 )
+from vllm_dspark.doctor.torch_builds import torch_build_findings
 from vllm_dspark.findings import Finding, errors, most_severe_first, render_table
 from vllm_dspark.tools.cli import ArgumentParser, add_shared
 
@@ -110,6 +111,8 @@ def run(args: argparse.Namespace) -> tuple[list[Finding], list[str]]:
                 "must be a JSON object", 'pass \'{"method": "dspark", ...}\'', "speculative_config"
             )
         ], []
+    if torch_builds := torch_build_findings():  # importing vLLM would fail on them
+        return torch_builds, ["torch builds"]
     schema = vllm_schema()
     findings = check_vllm_version(schema.version) + check_vllm_command()
     checked = [f"vLLM {schema.version}"]

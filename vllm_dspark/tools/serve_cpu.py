@@ -100,6 +100,10 @@ def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args, vllm_args = build_parser().parse_known_args(argv)
     from vllm_dspark.doctor.facts import looks_local
+    from vllm_dspark.doctor.torch_builds import refuse_mismatched_torch_builds
+
+    if not args.dry_run:  # the server would die importing vLLM
+        refuse_mismatched_torch_builds()
 
     for name, path in (("model", args.model), ("--drafter", args.drafter)):
         if not args.dry_run and looks_local(path) and not Path(path, "config.json").is_file():
