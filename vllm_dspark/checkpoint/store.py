@@ -42,6 +42,13 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 TARGET_EMBED_KEY = "model.embed_tokens.weight"
 TARGET_LM_HEAD_KEY = "lm_head.weight"
+# The heads as each target family's checkpoint names them: DeepSeek-V3-style causal LMs at the top
+# level; Kimi-K3 (``KimiK3ForConditionalGeneration``) under its ``language_model.``, the prefix its
+# vLLM loader hands to the text model (vllm/models/kimi_k3/nvidia/model.py).
+TARGET_HEAD_KEYS = (
+    (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY),
+    ("language_model.model.embed_tokens.weight", "language_model.lm_head.weight"),
+)
 
 _LOG = logging.getLogger(__name__)
 _MAX_LISTED_PROBLEMS = 12
@@ -556,23 +563,34 @@ def load_target_heads(
                 f"and {TARGET_LM_HEAD_KEY})",
             )
         )
-    missing = [k for k in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY) if k not in weight_map]
-    if missing:
+    keys = next(
+        (pair for pair in TARGET_HEAD_KEYS if all(k in weight_map for k in pair)),
+        None,
+    )
+    if keys is None:
+        missing = [k for k in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY) if k not in weight_map]
         raise FindingError(
             Finding(
-                f"target {target_dir} lacks {' and '.join(missing)}",
+                f"target {target_dir} lacks {' and '.join(missing)} (nor has it Kimi-K3's "
+                f"{' and '.join(TARGET_HEAD_KEYS[1])})",
                 "pass the target model the drafter was trained for; the drafter shares its "
                 "embedding and lm_head",
             )
         )
-    embed, lm_head = (
-        read_tensor(weight_map[key], key) for key in (TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY)
-    )
+    embed_key, lm_head_key = keys
+    embed, lm_head = (read_tensor(weight_map[key], key) for key in keys)
     if dtype is not None:
         embed, lm_head = embed.to(dtype), lm_head.to(dtype)
     if embed.dim() != 2 or embed.shape != lm_head.shape:
         raise ValueError(
-            f"target {target_dir}: {TARGET_EMBED_KEY} {tuple(embed.shape)} and {TARGET_LM_HEAD_KEY} "
+            f"target {target_dir}: {embed_key} {tuple(embed.shape)} and {lm_head_key} "
             f"{tuple(lm_head.shape)} must both be [vocab_size, hidden_size]."
         )
     return embed, lm_head
+
+
+def target_text_config(target_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text model's part of a target config.json: Kimi-K3's nested ``text_config`` (a Kimi-Linear
+    config), else the config itself (DeepSeek-V3-style targets)."""
+    text = target_config.get("text_config")
+    return text if isinstance(text, Mapping) else target_config

@@ -38,7 +38,12 @@ from vllm_dspark.checkpoint.st_io import (
     plan_file,
     save_tensors,
 )
-from vllm_dspark.checkpoint.store import TARGET_EMBED_KEY, TARGET_LM_HEAD_KEY, load_target_heads
+from vllm_dspark.checkpoint.store import (
+    TARGET_EMBED_KEY,
+    TARGET_LM_HEAD_KEY,
+    load_target_heads,
+    target_text_config,
+)
 from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.fields import GEOMETRY_FIELDS, MLA_FIELDS
 from vllm_dspark.findings import Finding, FindingError
@@ -76,11 +81,20 @@ def _matrix(
     return weight
 
 
-def random_tensor(name: str, shape: tuple[int, ...], role: str, *, seed: int) -> torch.Tensor:
-    """The BF16 value of tensor ``name`` (role ``linear``/``norm``/``embedding``) for ``seed``."""
-    generator = torch.Generator().manual_seed(_seed(seed, name))
+def tensor_generator(seed: int, name: str) -> torch.Generator:
+    """The generator of tensor ``name``'s values for ``seed`` (independent of every other tensor)."""
+    return torch.Generator().manual_seed(_seed(seed, name))
+
+
+def random_tensor(
+    name: str, shape: tuple[int, ...], role: str, *, seed: int, gain: float | None = None
+) -> torch.Tensor:
+    """The BF16 value of tensor ``name`` (role ``linear``/``norm``/``embedding``) for ``seed``;
+    ``gain`` overrides the drafter's per-kind gain (``embed_tokens`` 0.02, ``lm_head`` 4, else 1)."""
+    generator = tensor_generator(seed, name)
     kind = name.rsplit(".", 1)[0]
-    gain = _GAIN.get(kind, 1.0)
+    if gain is None:
+        gain = _GAIN.get(kind, 1.0)
     if name.endswith(".bias"):
         return torch.full(shape, _CONFIDENCE_BIAS, dtype=torch.bfloat16)
     if role == "norm":
@@ -233,14 +247,16 @@ _TARGET_FIELDS = tuple(f for f in GEOMETRY_FIELDS if f != "intermediate_size")  
 
 
 def like_config_json(target_config: dict, *, num_layers: int = 5) -> dict:
-    """A drafter config.json (the ``small`` preset's structure) with ``target_config``'s geometry."""
-    missing = [f for f in _TARGET_FIELDS if target_config.get(f) is None]
+    """A drafter config.json (the ``small`` preset's structure) with ``target_config``'s geometry
+    (for Kimi-K3, that of its nested ``text_config``)."""
+    t = target_text_config(target_config)
+    missing = [f for f in _TARGET_FIELDS if t.get(f) is None]
     if missing:
+        where = "the target's text_config" if t is not target_config else "the target config"
         raise ValueError(
-            f"the target config lacks {', '.join(missing)}: the drafter's KV pages live in the "
+            f"{where} lacks {', '.join(missing)}: the drafter's KV pages live in the "
             "target's MLA cache, so the target must be an MLA model (DeepSeek-V3 / Kimi-K3 style)."
         )
-    t = target_config
     config = preset_config_json("small")
     layer_ids = aux_layer_ids(t["num_hidden_layers"])
     config.update(

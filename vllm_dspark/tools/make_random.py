@@ -19,7 +19,7 @@ def build_parser() -> ArgumentParser:
         "one BF16 model.safetensors, no index, as the safetensors library writes it (tensors sorted "
         'by name, metadata {"torchspec_version": "0.1.0"}), plus the target\'s shared embedding and '
         "lm_head in OUT/target/. --like writes shards and their index instead. Deterministic for a "
-        "given --seed.",
+        "given --seed. --target kimi-k3 writes a random Kimi-K3 target model instead.",
     )
     shape = parser.add_mutually_exclusive_group(required=True)
     shape.add_argument(
@@ -33,8 +33,16 @@ def build_parser() -> ArgumentParser:
         "--like",
         type=Path,
         metavar="TARGET_DIR",
-        help="an MLA target model directory: the drafter takes its hidden size, depth, vocabulary and "
-        "MLA latent (aux layers spread over its depth), and its embedding and lm_head as target/ heads",
+        help="an MLA target model directory (DeepSeek-V3 style, or Kimi-K3: its nested text_config and "
+        "language_model.* heads): the drafter takes its hidden size, depth, vocabulary and MLA latent "
+        "(aux layers spread over its depth), and its embedding and lm_head as target/ heads",
+    )
+    shape.add_argument(
+        "--target",
+        choices=["kimi-k3"],
+        help="kimi-k3: a tiny random-weight Kimi-K3 target instead of a drafter "
+        "(KimiK3ForConditionalGeneration: KDA and NoPE-MLA layers, MoE with a shared expert, AttnRes; "
+        "hidden 256, 4 layers, vocab 4096; vLLM loads it text-only, with limit_mm_per_prompt 0)",
     )
     parser.add_argument(
         "--num-layers", type=int, default=5, help="draft decoder layers with --like (default 5)"
@@ -49,6 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_dspark.checkpoint_tools.make_random import make_random, make_random_like
 
     start = time.perf_counter()
+    if args.target is not None:
+        from vllm_dspark.checkpoint_tools.kimi_k3_target import make_kimi_k3_target
+
+        make_kimi_k3_target(args.out, seed=args.seed, overwrite=args.overwrite)
+        size = sum(p.stat().st_size for p in args.out.rglob("*.safetensors"))
+        print(
+            f"wrote {args.out} (a random {args.target} target, seed {args.seed}): "
+            f"{size / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s"
+        )
+        return 0
     if args.like is not None:
         make_random_like(
             args.out,
