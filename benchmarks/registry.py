@@ -67,6 +67,12 @@ BENCHMARKS: dict[str, Benchmark] = {
         "register_overhead",
         "Plugin cost per vLLM process",
     ),
+    "check": Benchmark(
+        "benchmarks.check_startup",
+        "`vllm-dspark check` on the trained pair's drafter, whole process, next to `import torch` and a bare interpreter",
+        "check_startup",
+        "`vllm-dspark check` start to finish on the trained pair's drafter",
+    ),
     "e2e-cpu": Benchmark(
         "benchmarks.e2e_cpu",
         "vLLM's dspark speculator end to end on CPU (Triton interpreter): counters, tok/s",

@@ -32,6 +32,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "quantizer": ["--preset", "tiny", "--pairs", "1", "--warmup", "0"],
     "drift-speed": ["--preset", "tiny", "--batch-size", "4", "--pairs", "1", "--warmup", "0"],
     "register": ["--pairs", "1", "--warmup", "0"],
+    "check": ["--pairs", "1", "--warmup", "0"],
     "drift": ["--preset", "tiny", "--blocks", "8"],
     "drift-positions": ["--preset", "tiny", "--blocks", "4"],
     "pair": [
@@ -144,6 +145,10 @@ def check_arithmetic(name: str, result: dict, *, committed: bool = True) -> None
             _close(step["seconds"], step["plugin_import_s"] + step["register_s"], "plugin seconds")
         _close(result["worst_ms"], 1e3 * result["step_seconds"]["max"], "worst_ms")
         assert result["meets_goal"] == (result["worst_ms"] < result["goal_ms"])
+    elif name == "check_startup":
+        check_rounds(result, "python -c pass", committed=committed)
+        _close(result["worst_s"], result["seconds"]["vllm-dspark check"]["max"], "worst_s")
+        assert result["meets_goal"] == (result["worst_s"] < result["goal_s"])
     elif name == "reference_latency":
         assert result["weight_bytes_per_block"] == sum(result["weight_bytes_by_component"].values())
         for row in result["results"]:

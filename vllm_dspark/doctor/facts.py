@@ -41,15 +41,26 @@ class EngineFacts:
 
 @dataclass(frozen=True)
 class MachineFacts:
-    """The GPU that will serve; ``platform`` None means no GPU is visible."""
+    """The GPU that will serve; ``platform`` None means no GPU is visible, ``"cpu"`` a CPU run
+    (vLLM's CPU build, as ``vllm-dspark serve-cpu`` runs it), where no GPU advice applies."""
 
-    platform: Literal["cuda", "rocm"] | None
+    platform: Literal["cuda", "rocm", "cpu"] | None
     capability: tuple[int, int] | None = None
     name: str | None = None
+
+    @property
+    def cpu(self) -> bool:
+        return self.platform == "cpu"
+
+    @property
+    def gpu(self) -> bool:
+        return self.platform in ("cuda", "rocm")
 
     def describe(self) -> str:
         if self.platform is None:
             return "no GPU visible"
+        if self.cpu:
+            return "a CPU run (no GPU)"
         if self.capability is None:
             return f"{self.name or self.platform} (unknown compute capability)"
         return f"{self.name or self.platform} (compute capability {self.capability[0]}.{self.capability[1]})"
@@ -92,8 +103,15 @@ def vllm_schema() -> VllmSchema:
     )
 
 
-def machine_facts(compute_capability: str | None = None) -> MachineFacts:
-    """This machine's GPU 0, or the ``X.Y`` capability given on the command line."""
+CPU_RUN = MachineFacts("cpu")
+
+
+def machine_facts(compute_capability: str | None = None, device: str = "auto") -> MachineFacts:
+    """This machine's GPU 0, or the ``X.Y`` capability given on the command line; a CPU run for
+    ``device`` ``"cpu"``, or when no GPU is visible and torch is a CPU build (as vLLM's CPU build
+    needs). No GPU visible beside a GPU build of torch (a login node) says nothing of the serving GPU."""
+    if device == "cpu":
+        return CPU_RUN
     if compute_capability is not None:
         major, _, minor = compute_capability.partition(".")
         return MachineFacts(
@@ -102,7 +120,8 @@ def machine_facts(compute_capability: str | None = None) -> MachineFacts:
     import torch
 
     if not torch.cuda.is_available():
-        return MachineFacts(None)
+        cpu_build = torch.version.cuda is None and torch.version.hip is None
+        return CPU_RUN if cpu_build and device == "auto" else MachineFacts(None)
     platform: Literal["cuda", "rocm"] = "rocm" if torch.version.hip else "cuda"
     return MachineFacts(
         platform, tuple(torch.cuda.get_device_capability(0)), torch.cuda.get_device_name(0)
@@ -291,9 +310,12 @@ def engine_facts(engine_args: Any) -> EngineFacts:
 
 
 def serving_machine() -> MachineFacts | None:
-    """The serving GPU as vLLM sees it (NVML, no CUDA context); None on other platforms."""
+    """The serving GPU as vLLM sees it (NVML, no CUDA context); a CPU run on vLLM's CPU build;
+    None on other platforms."""
     from vllm.platforms import current_platform
 
+    if current_platform.is_cpu():
+        return CPU_RUN
     if not (current_platform.is_cuda() or current_platform.is_rocm()):
         return None
     cap = current_platform.get_device_capability()

@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from vllm_dspark.tools.cli import ArgumentParser, add_shared
+from vllm_dspark.tools.cli import ArgumentParser, add_model, add_shared
 
 
 def build_parser() -> ArgumentParser:
@@ -15,7 +14,7 @@ def build_parser() -> ArgumentParser:
         description="Verify a K3 DSpark drafter checkpoint's structure (config, shards, quantization_config, "
         "every tensor's dtype and shape, scales) without loading its weights. Exits 1 on any problem.",
     )
-    parser.add_argument("model_dir", type=Path, help="the drafter checkpoint directory")
+    add_model(parser, "the drafter checkpoint directory", positional=True)
     add_shared(parser)
     return parser
 
@@ -24,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from vllm_dspark.checkpoint.check import check_checkpoint
 
-    report = check_checkpoint(args.model_dir)
+    report = check_checkpoint(args.model)
     print(report.render())
     return 0 if report.ok else 1
 

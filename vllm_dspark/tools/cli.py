@@ -7,21 +7,83 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+_RST_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_RST_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain(text: str | None) -> str | None:
+    """``text`` (a docstring) as help text: reST roles and literals as plain `code`."""
+    if text is None:
+        return None
+    return _RST_LITERAL.sub(r"`\1`", _RST_ROLE.sub(r"`\1`", text))
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """Also takes each flag's underscore spelling (``--model_dir``), as ``vllm serve`` does."""
+    """Also takes each flag's underscore spelling (``--model_dir``), as ``vllm serve`` does; help text
+    written as reST (a module docstring) is shown plain."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for key in ("description", "epilog"):
+            kwargs[key] = plain(kwargs.get(key))
+        super().__init__(*args, **kwargs)
 
     def parse_known_args(
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         args = sys.argv[1:] if args is None else args
-        return super().parse_known_args([_kebab(a) for a in args], namespace)
+        ns, rest = super().parse_known_args([_kebab(a) for a in args], namespace)
+        if _MODEL_POSITIONAL in vars(ns):  # add_model(positional=True): MODEL or --model, not both
+            given = vars(ns).pop(_MODEL_POSITIONAL)
+            if given is not None and ns.model is not None:
+                self.error("give the model directory once: as MODEL or as --model")
+            ns.model = ns.model if given is None else given
+            if ns.model is None and getattr(self, "_model_required", False):
+                self.error("the following arguments are required: MODEL (or --model)")
+        return ns, rest
+
+
+_MODEL_POSITIONAL = "_model_positional"
+
+
+def add_model(
+    parser: ArgumentParser,
+    help: str,
+    *,
+    positional: bool = False,
+    required: bool = True,
+    type: Callable[[str], Any] = Path,
+) -> None:
+    """``--model DIR``, every command's spelling of the model (drafter) directory it works on, as in
+    ``vllm serve --model``; ``--model-dir`` (quantize's older spelling) is an alias everywhere, and
+    ``positional`` also takes it as a bare ``MODEL`` (check's older spelling)."""
+    parser.add_argument(
+        "--model",
+        "--model-dir",
+        dest="model",
+        type=type,
+        required=required and not positional,
+        default=None,
+        metavar="DIR",
+        help=f"{help} (--model-dir is an alias)",
+    )
+    if positional:
+        parser.add_argument(
+            _MODEL_POSITIONAL,
+            nargs="?",
+            type=type,
+            default=None,
+            metavar="MODEL",
+            help="the same directory, given without --model",
+        )
+        parser._model_required = required
 
 
 def add_out(
@@ -175,7 +237,10 @@ def debug_requested(argv: list[str]) -> tuple[bool, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:  # no command: the usage, as an error (argparse's convention)
+        print(_usage(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):

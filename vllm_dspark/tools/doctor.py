@@ -97,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_compute_capability,
         help="check against this GPU instead of this machine's (e.g. 10.3 for GB300, 9.0 for H200)",
     )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cpu: check a CPU run (`vllm-dspark serve-cpu`), with no GPU advice; cuda: a GPU "
+        "run even where no GPU is visible; auto (default): this machine's GPU, else a CPU run "
+        "when torch is a CPU build",
+    )
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     add_shared(p)
     return p
@@ -141,7 +149,7 @@ def run(args: argparse.Namespace) -> tuple[list[Finding], list[str]]:
                         "target",
                     )
                 )
-    machine = machine_facts(args.compute_capability)
+    machine = machine_facts(args.compute_capability, args.device)
     checked.append(machine.describe())
     engine = engine_facts_of(
         compilation_config=args.compilation_config,

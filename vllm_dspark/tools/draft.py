@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.reference import INPUT_TENSORS, OUTPUT_TENSORS
 from vllm_dspark.safety import check_output
-from vllm_dspark.tools.cli import ArgumentParser, add_out, add_shared
+from vllm_dspark.tools.cli import ArgumentParser, add_model, add_out, add_shared
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         "[anchor, mask x (N-1)].",
         epilog=f"input tensors (--inputs):\n{inputs}\n\noutput tensors (--out):\n{outputs}",
     )
-    parser.add_argument("--model", required=True, type=Path, help="drafter checkpoint directory")
+    add_model(parser, "drafter checkpoint directory")
     parser.add_argument(
         "--target",
         type=Path,

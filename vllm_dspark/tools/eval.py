@@ -14,7 +14,7 @@ from vllm_dspark.checkpoint.layout import FP8_RECIPE, QUANT_FORMATS
 from vllm_dspark.drift import DEFAULT_REGIMES, REGIMES, SELF_CHECK, default_variants
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.safety import check_output, staged
-from vllm_dspark.tools.cli import ArgumentParser, add_out, add_shared
+from vllm_dspark.tools.cli import ArgumentParser, add_model, add_out, add_shared
 
 DEFAULT_SWEEP: tuple[int, ...] = (
     1 << 10,
@@ -47,9 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=drift_pkg.METHOD,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--model", required=True, help="the unquantized drafter directory (the reference)"
-    )
+    add_model(parser, "the unquantized drafter directory (the reference)", type=str)
     parser.add_argument(
         "--variants",
         nargs="+",

