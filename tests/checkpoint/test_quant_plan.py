@@ -829,3 +829,55 @@ def test_modelopt_nvfp4_with_its_own_scale_per_fused_shard_is_refused_by_check_d
     assert doctor.problem.endswith(problem.problem) and doctor.fix == problem.fix
     with pytest.raises(ValueError, match="NVFP4 weight_scale_2 differs across the fused modules"):
         load_drafter(tiny_mla_target, model_dir, dtype="bfloat16")
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "Linear",
+        "Embedding",
+        "RMSNorm",
+        "Module",
+        "LinearBase",
+        "layers.0.mlp.down_proj",
+        "mlp.down_proj",
+        "re:.*mlp\\.down_proj$",
+        "re:layers\\.0\\..*",
+        "re:mlp",
+        "re:.*norm",
+    ],
+)
+def test_is_match_is_compressed_tensors_own(entry: str) -> None:
+    """quant_plan matches config entries as compressed-tensors does, without importing it."""
+    from compressed_tensors.utils.match import is_match
+
+    names = ["layers.0.mlp.down_proj", "model.layers.0.mlp.down_proj", "norm", "embed_tokens"]
+    for role in ("linear", "embedding", "norm"):
+        module = quant_plan._stand_in(role)
+        for name in names:
+            assert quant_plan.is_match(name, role, entry) == is_match(name, module, entry), (
+                role,
+                name,
+            )
+
+
+def test_the_quantizers_own_config_is_read_without_compressed_tensors() -> None:
+    """`vllm-dspark quantize`'s quantization_config gives the formats compressed-tensors' reading
+    gives; any other config (a field more, a group changed) goes to compressed-tensors."""
+    from vllm_dspark.checkpoint import formats, quant_config
+
+    for fmt in formats.REGISTRY:
+        qc = quant_config.compressed_tensors_config(
+            {fmt: ["re:.*mlp\\.down_proj$"]}, ignore=["re:.*embed_tokens$"]
+        )
+        assert (
+            quant_config.own_group_formats(qc) == quant_config.group_formats(qc) == {"group_0": fmt}
+        )
+        assert quant_config.own_group_formats({**qc, "version": "0.12"}) is None
+        changed = copy.deepcopy(qc)
+        changed["config_groups"]["group_0"]["weights"]["num_bits"] = 3
+        assert quant_config.own_group_formats(changed) is None
+    mixed = quant_config.compressed_tensors_config(
+        {"fp8": ["re:.*o_proj$"], "nvfp4": ["re:.*down_proj$"]}, ignore=[]
+    )
+    assert quant_config.own_group_formats(mixed) == quant_config.group_formats(mixed)

@@ -153,9 +153,10 @@ def _check_imports(model_dir) -> tuple[int, list[str]]:
 
 def test_check_imports_what_the_drafters_format_needs(tmp_path) -> None:
     """`check` reads config.json without transformers and shard headers without vLLM: a BF16 drafter
-    (the trained pair's) and a ModelOpt one import neither them nor compressed-tensors; a
-    compressed-tensors drafter imports compressed-tensors (which imports transformers) to read its
-    quantization_config, and still no vLLM. The benchmarks time it (`python -m benchmarks check`)."""
+    (the trained pair's), a ModelOpt one and `vllm-dspark quantize`'s compressed-tensors one import
+    neither them nor compressed-tensors; only a compressed-tensors config written otherwise needs
+    compressed-tensors (which imports transformers) to read it, and still no vLLM. The benchmarks
+    time it (`python -m benchmarks check`)."""
     from pathlib import Path
 
     from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
@@ -172,4 +173,10 @@ def test_check_imports_what_the_drafters_format_needs(tmp_path) -> None:
     fp8 = tmp_path / "fp8"
     quantize_checkpoint(pair, fp8, "fp8", progress=False)
     code, heavy = _check_imports(fp8)
-    assert code == 0 and "vllm" not in heavy, heavy
+    assert code == 0 and not {"transformers", "compressed_tensors", "vllm"} & set(heavy), heavy
+
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"]["version"] = "0.12.2"  # as llm-compressor writes it
+    (fp8 / "config.json").write_text(json.dumps(config))
+    code, heavy = _check_imports(fp8)
+    assert code == 0 and "compressed_tensors" in heavy and "vllm" not in heavy, heavy

@@ -99,6 +99,30 @@ def compressed_tensors_config(
 # ----- reading -----
 
 
+def own_group_formats(quantization_config: Mapping[str, Any]) -> dict[str, str] | None:
+    """``{config group name: fmt}`` of a ``quantization_config`` exactly as
+    :func:`compressed_tensors_config` writes it (`vllm-dspark quantize`'s), read without
+    compressed-tensors; None for any other, which :func:`group_formats` reads."""
+    groups = quantization_config.get("config_groups")
+    ignore = quantization_config.get("ignore")
+    if not isinstance(groups, Mapping) or not groups or not isinstance(ignore, list):
+        return None
+    found: dict[str, str] = {}
+    targets: dict[str, list[str]] = {}
+    for name, group in groups.items():
+        if not isinstance(group, Mapping) or not isinstance(group.get("targets"), list):
+            return None
+        fmt = next(
+            (f for f in REGISTRY.values() if f.config_group(group["targets"]) == group), None
+        )
+        if fmt is None or fmt.name in targets:
+            return None
+        found[name] = fmt.name
+        targets[fmt.name] = list(group["targets"])
+    rebuilt = compressed_tensors_config(targets, ignore=ignore)
+    return found if rebuilt == dict(quantization_config) else None
+
+
 def _group_format(scheme: QuantizationScheme, top_format: str | None) -> str:
     """Which registered format a config group is; ``ValueError`` if none."""
     if scheme.output_activations is not None:

@@ -182,6 +182,23 @@ def _stand_in(role: str) -> torch.nn.Module:
     return RMSNorm()
 
 
+@functools.cache
+def _class_names(role: str) -> frozenset[str]:
+    """The class names compressed-tensors matches a module of ``role`` by: its stand-in's torch classes."""
+    return frozenset(
+        c.__name__ for c in type(_stand_in(role)).__mro__ if issubclass(c, torch.nn.Module)
+    )
+
+
+def is_match(name: str, role: str, entry: str) -> bool:
+    """compressed-tensors' ``is_match(name, module, entry)`` for a module of ``role``, without
+    importing it (its import pulls in transformers): a ``re:`` entry is ``re.match``-ed against the
+    name, any other equals the name or one of the module's class names (``Linear``)."""
+    if entry.startswith("re:"):
+        return re.match(entry.removeprefix("re:"), name) is not None
+    return entry == name or entry in _class_names(role)
+
+
 def _names(spec: ModuleSpec, start_layer_id: int | None) -> list[str]:
     """Every name a config entry may use for ``spec``: checkpoint, ``model.``, runtime and fused names."""
     bases = [spec.name]
@@ -218,6 +235,11 @@ class _Config:
 
     @classmethod
     def parse(cls, quantization_config: Mapping[str, Any]) -> _Config:
+        own = quant_config.own_group_formats(quantization_config)
+        if own is not None:  # as `vllm-dspark quantize` writes it: read without compressed-tensors
+            groups = quantization_config["config_groups"]
+            targets = [(t, own[g]) for g in groups for t in groups[g]["targets"]]
+            return cls(targets, list(quantization_config["ignore"]))
         try:
             group_formats = quant_config.group_formats(dict(quantization_config))
             qc = quant_config.parse_quantization_config(dict(quantization_config))
@@ -239,16 +261,15 @@ class _Config:
         self, specs: list[ModuleSpec], start_layer_id: int | None, lenient: Mapping[str, str]
     ) -> dict[str, tuple[str | None, str | None]]:
         """``{module: (fmt or None, why)}``; ``lenient`` maps entries to the regex read in their place."""
-        from compressed_tensors.utils.match import is_match
 
-        def hits(entry: str, names: list[str], stand_in: torch.nn.Module) -> bool:
+        def hits(entry: str, names: list[str], stand_in: str) -> bool:
             if entry in lenient:
                 return any(re.fullmatch(lenient[entry], n) for n in names)
             return any(is_match(n, stand_in, entry) for n in names)
 
         out = {}
         for spec in specs:
-            names, stand_in = _names(spec, start_layer_id), _stand_in(spec.role)
+            names, stand_in = _names(spec, start_layer_id), spec.role
             target = next(((t, fmt) for t, fmt in self.targets if hits(t, names, stand_in)), None)
             ignored = next((i for i in self.ignore if hits(i, names, stand_in)), None)
             if ignored is not None:
@@ -261,11 +282,9 @@ class _Config:
 
     def dead_entries(self, specs: list[ModuleSpec], start_layer_id: int | None) -> list[str]:
         """Entries that match no module under compressed-tensors' rules, in config order."""
-        from compressed_tensors.utils.match import is_match
-
         entries = dict.fromkeys([t for t, _ in self.targets] + self.ignore)
         for spec in specs:
-            names, stand_in = _names(spec, start_layer_id), _stand_in(spec.role)
+            names, stand_in = _names(spec, start_layer_id), spec.role
             for entry in [e for e in entries if any(is_match(n, stand_in, e) for n in names)]:
                 del entries[entry]
         return list(entries)
