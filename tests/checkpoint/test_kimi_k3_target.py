@@ -111,8 +111,8 @@ def _building(vllm_config) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def vllm_k3(k3_target: Path):
-    """vLLM's config of serving the target, and ``KimiK3ForConditionalGeneration`` built by vLLM on CPU and
-    loaded by its default model loader (which refuses a checkpoint that leaves a parameter unloaded)."""
+    """``KimiK3ForConditionalGeneration`` (vision tower included) built by vLLM on CPU and loaded by its
+    default model loader (which refuses a checkpoint that leaves a parameter unloaded)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -130,7 +130,6 @@ def vllm_k3(k3_target: Path):
             enforce_eager=True,
             # MLA on CPU turns prefix caching off after the mamba block size was set for it.
             enable_prefix_caching=False,
-            limit_mm_per_prompt={"image": 0, "video": 0},  # text-only: no vision tower
             load_format="safetensors",
         )
         with configs_without_an_engine():
@@ -171,6 +170,8 @@ def test_vllm_loads_every_parameter_from_the_written_names(k3_target: Path, vllm
     kv_a = stored[f"{text}.2.self_attn.kv_a_proj_with_mqa.weight"]
     fused = params[f"{text}.2.self_attn.fused_qkv_a_g_proj.weight"]
     assert torch.equal(fused[128 : 128 + kv_a.shape[0]], kv_a)
+    # The projector's checkpoint names map to vLLM's (hf_to_vllm_mapper).
+    assert torch.equal(params["mm_projector.linear_2.weight"], stored["mm_projector.proj.2.weight"])
     w1 = stored[f"{text}.1.block_sparse_moe.experts.3.w1.weight"]
     w13 = params[f"{text}.1.block_sparse_moe.experts.routed_experts.w13_weight"]
     assert torch.equal(w13[3, : w1.shape[0]], w1)

@@ -11,8 +11,8 @@ a ``KimiLinearForCausalLM``), each layer's projections as the checkpoint stores 
 ``KimiLinearModel.load_weights`` stacks them (``q/k/v/g_proj``, ``f_a_proj``, ``b_proj`` into
 ``in_proj_qkvgfab``; ``q/k/v_conv1d`` into ``conv1d``; ``q_a_proj``, ``kv_a_proj_with_mqa``, ``g_proj`` into
 ``fused_qkv_a_g_proj``; ``gate/up_proj`` into ``gate_up_proj``) and the routed experts as
-``experts.{e}.w1/w2/w3``. No vision tower is written: serve it with ``limit_mm_per_prompt`` 0 for images
-and videos (vLLM then builds no tower), as a text-only target.
+``experts.{e}.w1/w2/w3``; and a one-block vision tower with its projector (``vision_tower.*``,
+``mm_projector.*``), so vLLM loads it with or without ``limit_mm_per_prompt`` 0 for images and videos.
 
 Weights follow :func:`vllm_dspark.checkpoint_tools.make_random.random_tensor` (channel structure, a small
 embedding, a sharp lm_head), with KDA's decay parameters (``A_log``, ``dt_bias``) and the router's
@@ -118,12 +118,19 @@ def kimi_k3_config_json(
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
         "text_config": text_config,
-        # Present because KimiK3Config always builds one; no tower weights are written (see above).
+        # A one-block MoonViT tower and its patch-merger projector (KimiK3VisionConfig's fields).
         "vision_config": {
+            "patch_size": 14,
+            "init_pos_emb_height": 16,
+            "init_pos_emb_width": 16,
+            "merge_kernel_size": [2, 2],
             "vt_hidden_size": 64,
             "vt_intermediate_size": 128,
             "vt_num_attention_heads": 2,
             "vt_num_hidden_layers": 1,
+            "qkv_hidden_size": 64,
+            "mm_projector_type": "patchmergerv2",
+            "norm_type": "rmsnorm",
             "text_hidden_size": hidden_size,
         },
         "media_placeholder_token_id": vocab_size - 1,
@@ -212,6 +219,34 @@ def kimi_k3_tensor_specs(config_json: Mapping[str, Any]) -> dict[str, tuple[tupl
         specs[f"{TEXT_PREFIX}model.output_attn_res_norm.weight"] = ((h,), "norm")
         specs[f"{TEXT_PREFIX}model.output_attn_res_proj.weight"] = ((1, h), "linear")
     specs[LM_HEAD_KEY] = ((vocab, h), "linear")
+    specs.update(_vision_specs(config_json["vision_config"], h))
+    return specs
+
+
+def _vision_specs(v: Mapping[str, Any], text_hidden: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The vision tower (vLLM's ``MoonViT3dPretrainedModel``) and the ``patchmergerv2`` projector, as the
+    checkpoint names them (``mm_projector.proj.0/2``: vLLM maps them to ``linear_1/2``)."""
+    d, patch = v["vt_hidden_size"], v["patch_size"]
+    merged = d * v["merge_kernel_size"][0] * v["merge_kernel_size"][1]
+    specs = {
+        "vision_tower.patch_embed.proj.weight": ((d, 3, patch, patch), "conv2d"),
+        "vision_tower.patch_embed.pos_emb.weight": (
+            (v["init_pos_emb_height"], v["init_pos_emb_width"], d),
+            "pos_emb",
+        ),
+    }
+    for i in range(v["vt_num_hidden_layers"]):
+        block = f"vision_tower.encoder.blocks.{i}."
+        specs[f"{block}norm0.weight"] = ((d,), "norm")
+        specs[f"{block}norm1.weight"] = ((d,), "norm")
+        specs[f"{block}wqkv.weight"] = ((3 * v["qkv_hidden_size"], d), "linear")
+        specs[f"{block}wo.weight"] = ((d, v["qkv_hidden_size"]), "linear")
+        specs[f"{block}mlp.fc0.weight"] = ((v["vt_intermediate_size"], d), "linear")
+        specs[f"{block}mlp.fc1.weight"] = ((d, v["vt_intermediate_size"]), "linear")
+    specs["vision_tower.encoder.final_layernorm.weight"] = ((d,), "norm")
+    specs["mm_projector.proj.0.weight"] = ((merged, merged), "linear")
+    specs["mm_projector.proj.2.weight"] = ((text_hidden, merged), "linear")
+    specs["mm_projector.post_norm.weight"] = ((text_hidden,), "norm")
     return specs
 
 
@@ -221,6 +256,15 @@ def _kimi_tensor(name: str, shape: tuple[int, ...], role: str, *, seed: int) -> 
     if role in ("embedding", "linear", "norm"):
         gain = {EMBED_KEY: 0.02, LM_HEAD_KEY: 4.0}.get(name)
         return random_tensor(name, shape, role, seed=seed, gain=gain)
+    if role in ("conv2d", "pos_emb"):  # generated as a matrix of their rows
+        rows = (
+            (shape[0], math.prod(shape[1:]))
+            if role == "conv2d"
+            else (math.prod(shape[:-1]), shape[-1])
+        )
+        kind = "linear" if role == "conv2d" else "embedding"
+        gain = None if role == "conv2d" else 0.02
+        return random_tensor(name, rows, kind, seed=seed, gain=gain).reshape(shape)
     generator = tensor_generator(seed, name)
     if role == "a_log":  # A in [1, 16], as Mamba/KDA initialise the decay rates
         value = torch.log(torch.empty(shape).uniform_(1.0, 16.0, generator=generator))

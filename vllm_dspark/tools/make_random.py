@@ -42,7 +42,7 @@ def build_parser() -> ArgumentParser:
         choices=["kimi-k3"],
         help="kimi-k3: a tiny random-weight Kimi-K3 target instead of a drafter "
         "(KimiK3ForConditionalGeneration: KDA and NoPE-MLA layers, MoE with a shared expert, AttnRes; "
-        "hidden 256, 4 layers, vocab 4096; vLLM loads it text-only, with limit_mm_per_prompt 0)",
+        "a one-block vision tower; hidden 256, 4 layers, vocab 4096; 14 MiB)",
     )
     parser.add_argument(
         "--num-layers", type=int, default=5, help="draft decoder layers with --like (default 5)"
