@@ -278,7 +278,8 @@ def test_offline_quickstart_config_passes_the_doctor() -> None:
             "Inferact/Kimi-K3-DSpark", backend, temperature
         )
         assert set(config) <= schema.fields
-        assert checks.diagnose(config, drafter=drafter, machine=machine, schema=schema) == []
+        findings = checks.diagnose(config, drafter=drafter, machine=machine, schema=schema)
+        assert [f for f in findings if f.severity != "note"] == []  # a note says the block
         assert config["draft_sample_method"] == ("probabilistic" if temperature else "greedy")
 
 

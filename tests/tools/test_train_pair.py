@@ -187,14 +187,19 @@ def test_committed_pair_matches_its_manifest() -> None:
 
 def test_committed_pair_configs_agree() -> None:
     from vllm_dspark.checkpoint_tools.make_random import like_config_json
+    from vllm_dspark.fields import parse_fields
 
     target = json.loads((PAIR / "target" / "config.json").read_text())
     drafter = json.loads((PAIR / "drafter" / "config.json").read_text())
     log = json.loads((PAIR / "train_log.json").read_text())
     sizes = log["sizes"]
     expected = like_config_json(target, num_layers=sizes["draft_layers"])
-    expected["mask_token_id"] = tp.SPECIALS.index("<|mask|>")
-    assert drafter == expected
+    expected.update(mask_token_id=tp.SPECIALS.index("<|mask|>"), block_size=7)
+    assert (expected["bos_token_id"], expected["pad_token_id"]) == (0, 1)  # the target's
+    # The committed pair predates the published key set: it states hidden_act and logit_scale (at
+    # their defaults) and no special ids; every field it states is what train-pair writes now.
+    resolved = vars(parse_fields(expected))
+    assert drafter == {key: resolved[key] for key in drafter}
     assert target["kv_lora_rank"] == 512 and target["qk_rope_head_dim"] == 64
     assert target["first_k_dense_replace"] == target["num_hidden_layers"]
     assert len(drafter["target_layer_ids"]) == 5 and drafter["block_size"] == 7

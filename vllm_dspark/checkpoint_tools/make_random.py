@@ -275,6 +275,11 @@ def like_config_json(target_config: dict, *, num_layers: int = 5) -> dict:
         mask_token_id=t["vocab_size"] - 3,
         rms_norm_eps=t.get("rms_norm_eps", config["rms_norm_eps"]),
     )
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the target's tokenizer's
+        if t.get(key) is None:
+            config.pop(key, None)
+        else:
+            config[key] = t[key]
     return config
 
 
