@@ -122,3 +122,13 @@ def test_non_finite_logits_are_refused_not_accepted(prompts, tmp_path, capsys):
     err = capsys.readouterr().err  # transformers' loading bar comes first
     assert "Traceback" not in err and "NaN or infinite" in err.strip().splitlines()[-1], err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_causal_pair_is_lossless_and_drafts_causally(prompts, tmp_path) -> None:
+    """``tests/data/pair-causal``: a causal-block drafter of the same target through ``accept``."""
+    causal = PAIR.with_name("pair-causal")
+    models = {"target": causal / "target", "drafter": causal / "drafter"}
+    results = _accept(models, prompts, tmp_path / "accept", "--variants", "bf16")
+    assert results["config"]["causal"] is True and results["config"]["block_size"] == 7
+    [cell] = results["cells"]
+    assert cell["lossless"] == [True, True] and cell["tau"]["value"] > 1.0
