@@ -26,7 +26,7 @@ from tests.support.scales import (
 )
 from vllm_dspark.checkpoint.check import check_checkpoint
 from vllm_dspark.checkpoint.formats import TensorSpec
-from vllm_dspark.checkpoint.st_io import read_header
+from vllm_dspark.checkpoint.st_io import read_header, read_tensor
 from vllm_dspark.checkpoint.store import input_quantizers, load_drafter_state_dict
 from vllm_dspark.findings import FindingError
 
@@ -188,3 +188,14 @@ def test_modelopt_w4a16_nvfp4_with_legacy_input_scales_checks_and_loads_as_witho
     assert f"{key}: missing; the nvfp4-w4a4 module context_proj needs it" in (
         check_checkpoint(missing).render()
     )
+    ct = build(tiny_checkpoint, builds, "compressed-tensors", "nvfp4")
+    extra = tmp_path / "ct-w4a16-with-input-scales"
+
+    def add_input_scale(key: str, stored) -> dict[str, torch.Tensor | None]:
+        if not key.endswith(".weight_global_scale"):
+            return {key: None}
+        value = read_tensor(stored.path, key)  # a W4A4 build's input_global_scale, in its place
+        return {key: None, key.removesuffix("weight_global_scale") + "input_global_scale": value}
+
+    copy_checkpoint(ct, extra, add_input_scale)
+    assert not check_checkpoint(extra).ok
