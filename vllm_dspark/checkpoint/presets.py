@@ -132,6 +132,25 @@ PRESETS: dict[str, dict[str, Any]] = {
     "k31-small": _config_json(**{**_SMALL, "markov_rank": 64}, is_causal=True, block_size=7),
     # lightseekorg/kimi-k3-dspark: per-tap fc_norm, taps from the target's AttnRes stream.
     "fc-norm-small": _config_json(**_SMALL, fc_norm=True, aux_hidden_stream="attn_res"),
+    # k3's head geometry (FLASHINFER_MLA's head dims, the 576-wide latent) at a size two CPU cores
+    # serve: 8 heads split at TP 4 and 8, and every FP8 linear keeps K >= 128 and 128-multiples of
+    # N and K per rank there (Marlin, 128x128 blocks; tests/vllm/test_geometry.py reads both).
+    "prod-geometry-small": _config_json(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        q_lora_rank=256,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        vocab_size=4096,
+        target_hidden_size=256,
+        target_num_hidden_layers=12,
+        target_layer_ids=[1, 3, 6, 8, 10],
+        markov_rank=32,
+    ),
 }
 # Presets whose published counterpart ships no embed_tokens.weight (the embedding is the target's).
 WITHOUT_EMBED_TOKENS = frozenset({"k31-small"})
