@@ -379,33 +379,3 @@ def test_the_e2e_benchmark_tabulates_this_run(served, tmp_path: Path) -> None:
         rows[1]["engine"] == "bf16" and rows[1]["drafts"] == counters["vllm:spec_decode_num_drafts"]
     )
     assert "| engine |" in (tmp_path / "e2e_cpu.md").read_text()
-
-
-@pytest.mark.e2e
-def test_make_demo_serves_the_pair_with_dspark(tmp_path: Path) -> None:
-    """``make demo``'s code path, smaller: quantize + check, three engines, the table it prints."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        pytest.skip("the demo serves on CPU")
-    out = tmp_path / "demo"
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_dspark.tools.demo", "--pair", str(ROOT / "tests" / "data" / "pair"),
-         "--out", str(out), "--prompts", "2", "--max-tokens", "12"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
-    rows = results["comparison"]
-    assert set(rows) == {"bf16", "fp8"}
-    for name, row in rows.items():
-        counters = results["runs"][name]["counters"]
-        assert row["greedy"] in ("equal", "near-tie"), (name, row)
-        assert row["drafts"] == counters["vllm:spec_decode_num_drafts"] > 0
-        assert row["accepted_per_position"] == [
-            int(v) for v in counters["vllm:spec_decode_num_accepted_tokens_per_pos"]
-        ]
-        assert row["tau"] == pytest.approx(1 + sum(row["accepted_per_position"]) / row["drafts"])
-        assert f"| {name} | {row['greedy']} | {row['drafts']} |" in proc.stdout
-    assert "check: OK" in proc.stdout and (out / "drafter-fp8" / "config.json").is_file()
