@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The serving examples: the shell recipes pass ``bash -n`` and shellcheck, every ``vllm serve``
-command they (and examples/README.md) run parses with vLLM's own ``vllm serve`` parser, every
-speculative config is made of vLLM ``SpeculativeConfig`` fields and passes the doctor on the GPU
-it is written for, and the offline quickstart's helpers agree with vLLM's metric types.
+"""The serving recipes and examples: the recipes live in the package's data, and examples/ holds
+exactly what ``vllm-dspark serve-cpu --print-recipe NAME`` prints; they pass ``bash -n`` and
+shellcheck, every ``vllm serve`` command they (and docs/serving.md) run parses with vLLM's own
+``vllm serve`` parser, every speculative config is made of vLLM ``SpeculativeConfig`` fields and
+passes the doctor on the GPU it is written for, the sampling default is the same in the code, the
+recipes and the docs, and the offline quickstart's helpers agree with vLLM's metric types.
 
 The recipes are run for real with ``DRY_RUN=1``, which prints each command they would run, so
 the test checks exactly the argv a user gets, not a regex's idea of it.
@@ -20,6 +22,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +33,16 @@ from vllm_dspark.doctor import checks, facts
 from vllm_dspark.doctor.facts import MachineFacts
 from vllm_dspark.findings import errors
 from vllm_dspark.tools import doctor as cli
+from vllm_dspark.tools import serve_cpu
+from vllm_dspark.tools.cli import main
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-SCRIPTS = sorted(EXAMPLES.glob("serve_*.sh"))
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+SERVING_DOC = ROOT / "docs" / "serving.md"
+SCRIPTS = sorted(EXAMPLES.glob("serve_*.sh"))  # the printed recipes, self-contained
 CPU_SCRIPT = EXAMPLES / "serve_cpu.sh"
-SHELL_FILES = sorted(EXAMPLES.glob("*.sh"))  # the recipes and the _serve_common.sh they source
+# What is printed and where it is printed from (the package's recipes and the part they share).
+SHELL_FILES = SCRIPTS + sorted(serve_cpu.DATA.glob("*.sh"))
 # The GPU each recipe is written for.
 RECIPE_GPU = {
     "serve_gb300_multinode.sh": MachineFacts("cuda", (10, 3), "GB300"),
@@ -85,9 +93,9 @@ def commands(prefix: tuple[str, ...]) -> list[tuple[str, dict[str, str], list[st
     ]
 
 
-def readme_serve_commands() -> list[list[str]]:
-    """``vllm serve`` commands in examples/README.md's fenced shell blocks (continuations joined)."""
-    text = (EXAMPLES / "README.md").read_text()
+def doc_serve_commands() -> list[list[str]]:
+    """``vllm serve`` commands in docs/serving.md's fenced shell blocks (continuations joined)."""
+    text = SERVING_DOC.read_text()
     found = []
     for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -109,6 +117,97 @@ def serve_parser() -> Any:
 def test_examples_exist() -> None:
     assert {p.name for p in SCRIPTS} == set(RECIPE_GPU) | {CPU_SCRIPT.name}
     assert len(commands(("vllm", "serve"))) == len(RUNS)
+
+
+@pytest.mark.parametrize("name", sorted(serve_cpu.RECIPES))
+def test_examples_hold_the_printed_recipes(name: str, capsys) -> None:
+    """One home: examples/ is what `serve-cpu --print-recipe` prints, which needs no MODEL."""
+    with pytest.raises(SystemExit) as e:
+        main(["serve-cpu", "--print-recipe", name])
+    printed = capsys.readouterr().out
+    assert e.value.code == 0 and printed == serve_cpu.recipe(name)
+    copy = EXAMPLES / serve_cpu.RECIPES[name]
+    assert copy.read_text() == printed, (
+        f"examples/{copy.name} differs from the packaged recipe; regenerate it: "
+        f"vllm-dspark serve-cpu --print-recipe {name} > examples/{copy.name}"
+    )
+    assert "source " not in printed  # self-contained: it runs from wherever it is saved
+
+
+def test_the_wheel_ships_every_recipe(tmp_path: Path) -> None:
+    """A pip user's `--print-recipe` reads the package's data: the wheel built from this tree has it."""
+    src = tmp_path / "src"  # a copy, so the build leaves nothing in the shared checkout
+    shutil.copytree(
+        ROOT / "vllm_dspark", src / "vllm_dspark", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    [wheel] = tmp_path.glob("vllm_dspark-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    data = [*serve_cpu.RECIPES.values(), serve_cpu.COMMON]
+    assert {f"vllm_dspark/data/{name}" for name in data} <= shipped
+
+
+# Where prose names the sampling default: `SAMPLING=X`, the (recipes') default / `SAMPLING=X` (default) in the
+# docs, "... is `X` by default" after SAMPLING or --sampling, and a recipe header's settings entry.
+DEFAULT_CLAIMS = (
+    re.compile(r"SAMPLING=(\w+)`?[,)]? \(?(?:the )?(?:[\w']+ )?default"),
+    re.compile(r"(?:SAMPLING|--sampling)\W[^.]{0,60}?`(\w+)` by default"),
+    re.compile(r"#\s+SAMPLING=(\w+)\s[^\n]*(?:\n#\s{20,}[^\n]*)*?\(default\)"),
+)
+
+
+def claimed_sampling_defaults(text: str) -> list[str]:
+    """Each sampling mode ``text`` calls the default."""
+    return [mode for claim in DEFAULT_CLAIMS for mode in claim.findall(text)]
+
+
+def test_the_sampling_default_is_the_same_in_code_recipes_and_docs() -> None:
+    """`serve-cpu --sampling`, what every recipe runs and says, and what the docs say agree."""
+    default = serve_cpu.build_parser().get_default("sampling")
+    assert default == serve_cpu.DEFAULT_SAMPLING
+    said = {}
+    for name in serve_cpu.RECIPES:
+        text = serve_cpu.recipe(name)
+        assert set(re.findall(r"\$\{SAMPLING:-(\w+)\}", text)) == {default}, name
+        said[name] = claimed_sampling_defaults(text)
+    for page in [EXAMPLES / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        said[page.name] = claimed_sampling_defaults(page.read_text())
+    assert all(said[name] for name in [*serve_cpu.RECIPES, SERVING_DOC.name]), said
+    assert all(mode == default for modes in said.values() for mode in modes), said
+
+
+def test_the_default_claims_are_found() -> None:
+    """The patterns above read each way the docs and recipes have said it."""
+    assert claimed_sampling_defaults("`SAMPLING=greedy` (default) uses") == ["greedy"]
+    assert claimed_sampling_defaults("(`SAMPLING=greedy`, the recipes' default)") == ["greedy"]
+    assert claimed_sampling_defaults("`SAMPLING=greedy` is for temperature 0; the default") == []
+    assert claimed_sampling_defaults("(`SAMPLING=greedy`, the default of every recipe)") == [
+        "greedy"
+    ]
+    assert claimed_sampling_defaults("`--sampling` (`SAMPLING` here) is `greedy` by default") == [
+        "greedy"
+    ]
+    header = "#   SAMPLING=greedy         greedy drafting, and\n#                           more (default)\n"
+    assert claimed_sampling_defaults(header) == ["greedy"]
+    assert claimed_sampling_defaults("#   SAMPLING=greedy  plain\n#   OTHER=1  x (default)\n") == []
 
 
 @pytest.mark.parametrize("script", SHELL_FILES, ids=lambda p: p.name)
@@ -133,8 +232,8 @@ def test_shellcheck(script: Path) -> None:
 @pytest.mark.vllm_api
 def test_every_serve_flag_exists_in_vllms_parser(serve_parser: Any) -> None:
     known = set(serve_parser._option_string_actions)
-    argvs = [argv for _, _, argv in commands(("vllm", "serve"))] + readme_serve_commands()
-    assert len(argvs) > len(RUNS)  # the README's commands are in too
+    argvs = [argv for _, _, argv in commands(("vllm", "serve"))] + doc_serve_commands()
+    assert len(argvs) > len(RUNS)  # the doc's commands are in too
     for argv in argvs:
         flags = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
         assert flags <= known, f"not `vllm serve` flags: {sorted(flags - known)}"

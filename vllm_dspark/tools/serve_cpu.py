@@ -5,6 +5,10 @@ Every process of the server runs vLLM's Triton kernels under Triton's interprete
 (:mod:`vllm_dspark.cpu_serving`), so vLLM's Model Runner V2, which alone runs ``dspark``, works
 without a Triton CPU backend. For checking a setup on small models, not for speed: about a second per
 decoding step for a tiny model. Arguments this command does not know go to vLLM's server.
+
+``--print-recipe`` prints this command as a bash script, or one of the GPU recipes (``vllm serve``
+with the drafter on H200 or multi-node GB300, after ``vllm-dspark doctor``): save it and run it
+with the settings its header lists.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from vllm_dspark.tools.cli import ArgumentParser, add_model, add_shared
 
@@ -23,6 +28,50 @@ SAMPLING = {
     "greedy": {"draft_sample_method": "greedy"},
     "probabilistic": {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"},
 }
+# Probabilistic drafting with block verification serves every client: sampled requests get the
+# full draft distribution, and temperature-0 ones fall back to argmax matching, exactly as greedy.
+DEFAULT_SAMPLING = "probabilistic"
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+# Recipe name -> its script in the package's data. The GPU ones source the part they share, which
+# recipe() inlines, so that the printed script runs from wherever it is saved.
+RECIPES = {
+    "cpu": "serve_cpu.sh",
+    "h200": "serve_h200.sh",
+    "gb300-multinode": "serve_gb300_multinode.sh",
+}
+COMMON = "_serve_common.sh"
+SOURCE_COMMON = (
+    "# shellcheck source-path=SCRIPTDIR source=_serve_common.sh\n"
+    'source "$(dirname "${BASH_SOURCE[0]}")/_serve_common.sh"\n'
+)
+
+
+def recipe(name: str) -> str:
+    """Recipe ``name`` as one self-contained bash script, its origin in a comment below the shebang."""
+    shebang, body = (DATA / RECIPES[name]).read_text().split("\n", 1)
+    origin = f"# Printed by `vllm-dspark serve-cpu --print-recipe {name}` from vllm_dspark/data/{RECIPES[name]}"
+    if SOURCE_COMMON in body:
+        shared = (DATA / COMMON).read_text().split("# shellcheck shell=bash\n", 1)[1]
+        body = body.replace(
+            SOURCE_COMMON, f"# The part every GPU recipe shares ({COMMON}):\n{shared}"
+        )
+        origin += f"\n# with {COMMON} inlined"
+    return f"{shebang}\n{origin}.\n{body}"
+
+
+class _PrintRecipe(argparse.Action):
+    """Print the recipe and exit, as ``--help`` does: no MODEL or ``--drafter`` needed."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        sys.stdout.write(recipe(values))
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,15 +98,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sampling",
         choices=sorted(SAMPLING),
-        default="greedy",
-        help="greedy drafting (default), or probabilistic drafting with block verification, "
-        "for clients that sample",
+        default=DEFAULT_SAMPLING,
+        help=f"probabilistic drafting with block verification, for clients that sample and exact "
+        f"at temperature 0 too; or greedy drafting, for temperature-0 clients only (default "
+        f"{DEFAULT_SAMPLING})",
     )
     parser.add_argument(
         "--max-model-len",
         type=int,
         default=512,
         help="context length (default 512); the interpreted kernels loop over token budgets",
+    )
+    parser.add_argument(
+        "--print-recipe",
+        nargs="?",
+        const="cpu",
+        choices=sorted(RECIPES),
+        action=_PrintRecipe,
+        metavar="NAME",
+        help="print a serving recipe (a bash script) and exit: cpu, this command (the default), "
+        "h200 (8 x H200 per node) or gb300-multinode (4 nodes x 4 GB300)",
     )
     parser.add_argument(
         "--dry-run",
