@@ -5,6 +5,7 @@ and the plugin's hook runs the same checks inside vLLM's real ``EngineArgs`` on 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -323,7 +324,15 @@ def test_options_that_break_dspark_sampling(drafter) -> None:
             )
         )
     }
-    assert checks == {"draft_sample_method", "use_heterogeneous_vocab", "dspark_draft_topk"}
+    assert checks == {"use_local_argmax_reduction", "use_heterogeneous_vocab", "dspark_draft_topk"}
+
+
+@pytest.mark.parametrize("draft", ["greedy", "probabilistic"])
+def test_local_argmax_reduction_is_refused_with_either_drafting(drafter, draft: str) -> None:
+    """vLLM's speculator needs the drafter's get_top_tokens() for it, which DSpark has no use for."""
+    config = spec(use_local_argmax_reduction=True, draft_sample_method=draft)
+    [f] = only(errors_of(diagnose(config, drafter=drafter)), "use_local_argmax_reduction")
+    assert "get_top_tokens" in f.problem and "after the target" in f.problem
 
 
 def test_probabilistic_drafting_memory_note(drafter) -> None:
@@ -540,13 +549,84 @@ def test_a_cpu_run_gets_no_gpu_advice(drafter, schema) -> None:
     assert facts.machine_facts("9.0", "cpu") == cpu
 
 
-def test_every_doctor_fix_names_a_command_a_pip_user_has() -> None:
-    """The wheel ships no examples/: no fix may send a pip user there."""
-    import vllm_dspark.doctor as pkg
+def test_a_cpu_run_gets_cpu_advice(drafter) -> None:
+    """What a CPU run cannot do is refused with a fix for `vllm-dspark serve-cpu`, not a GPU flag."""
+    cpu = facts.CPU_RUN
+    for config, engine, where in [
+        (
+            spec(attention_backend=None, enable_adaptive_verification=True),
+            EngineFacts(),
+            "enable_adaptive_verification",
+        ),
+        (
+            spec(attention_backend=None, kv_cache_dtype="fp8"),
+            EngineFacts(kv_cache_dtype="fp8"),
+            "kv_cache_dtype",
+        ),
+        (spec(attention_backend=None), EngineFacts(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
+    ]:
+        [f] = only(diagnose(config, drafter=drafter, engine=engine, machine=cpu), where)
+        assert f.severity == "error" and "vllm-dspark serve-cpu" in f.fix, f
+        assert not re.search(r"cudagraph|-cc|FLASHINFER|TRITON", f.fix), f
+    assert (
+        only(diagnose(spec(attention_backend=None), drafter=drafter, machine=cpu), "kv_cache_dtype")
+        == []
+    )
 
-    for path in Path(pkg.__file__).parent.glob("*.py"):
-        assert "examples/" not in path.read_text(), path
-    assert "examples/" not in Path(cli.__file__).read_text()
+
+def _fix_texts(path: Path) -> list[tuple[int, str]]:
+    """Every ``Finding``'s fix in a module as its source spells it: the string pieces of the fix
+    expression, a name in it read from that name's assignments in the module."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    assigned: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    assigned.setdefault(target.id, []).append(node.value)
+
+    def pieces(expr: ast.AST, seen: frozenset[str]) -> list[str]:
+        out = []
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                out.append(node.value)
+            elif isinstance(node, ast.Name) and node.id not in seen:
+                for value in assigned.get(node.id, ()):
+                    out += pieces(value, seen | {node.id})
+        return out
+
+    fixes = []
+    for call in ast.walk(tree):
+        name = getattr(getattr(call, "func", None), "id", None)
+        if not (isinstance(call, ast.Call) and name == "Finding"):
+            continue
+        fix = call.args[1] if len(call.args) > 1 else None
+        fix = next((k.value for k in call.keywords if k.arg == "fix"), fix)
+        if fix is not None:
+            fixes.append((call.lineno, " ".join(pieces(fix, frozenset()))))
+    return fixes
+
+
+# What a pip user of the wheel lacks: the checkout's examples/, tests/ and Makefile, and vLLM's
+# server module in place of the command that starts it (`vllm serve`, `vllm-dspark serve-cpu`).
+_CHECKOUT_ONLY = re.compile(
+    r"examples/|tests/|benchmarks/|\bmake \w|python -m vllm\.|vllm\.entrypoints"
+)
+
+
+def test_every_fix_names_a_command_a_pip_user_has() -> None:
+    """Every fix the doctor can print (its own, and the checkpoint's and config's it relays)."""
+    import vllm_dspark
+
+    fixes = [
+        (f"{path.name}:{line}", text)
+        for path in sorted(Path(vllm_dspark.__file__).parent.rglob("*.py"))
+        for line, text in _fix_texts(path)
+    ]
+    assert len(fixes) > 100 and any("vllm-dspark serve-cpu" in text for _, text in fixes)
+    assert [(where, text) for where, text in fixes if _CHECKOUT_ONLY.search(text)] == []
 
 
 def test_the_broken_vllm_command_of_the_cpu_build_is_named_with_the_working_entry_point() -> None:
@@ -740,6 +820,11 @@ def test_hook_is_installed_once_by_the_plugin(tiny_mla_target) -> None:
         ),
         ({"enable_adaptive_verification": True}, {"enforce_eager": True}, "needs full CUDA graphs"),
         ({"method": "draft_model"}, {}, "method 'draft_model' cannot run"),
+        (
+            {"use_local_argmax_reduction": True, "draft_sample_method": "greedy"},
+            {},
+            "has no get_top_tokens()",
+        ),
     ],
 )
 def test_hook_refuses_before_vllm_builds_the_draft(

