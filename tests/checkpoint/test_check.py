@@ -222,6 +222,50 @@ def test_non_finite_scales(checkpoints, tmp_path, capsys) -> None:
     assert "layers.1.mlp.up_proj.weight_scale: 1 of 128 scale values" in problems
 
 
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.uint8,
+        torch.int32,
+    ],
+)
+def test_scales_are_judged_from_their_bytes_as_torch_reads_them(dtype: torch.dtype) -> None:
+    """``check`` reads scales without torch, from their stored bytes: every bit pattern of a one-byte
+    dtype, and NaN, infinities, zeros, negatives and subnormals of wider ones, decode to torch's own
+    values, and count as invalid exactly when torch's values are not finite and positive (FP8 and
+    E8M0 as :func:`vllm_dspark.finite.invalid_scale_values` says)."""
+    import numpy as np
+
+    from vllm_dspark.finite import invalid_scale_values, stored_values
+
+    if dtype.itemsize == 1:
+        scale = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    elif not dtype.is_floating_point:
+        scale = torch.tensor([-3, 0, 1, 7], dtype=dtype)
+    else:
+        special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, -1.5, 1e-40, 2.0, 3e38]
+        scale = torch.tensor(special, dtype=torch.float64).to(dtype)
+    name = str(dtype).removeprefix("torch.")
+    raw = scale.view(torch.uint8).numpy().tobytes()
+    values = scale.double()
+    assert np.array_equal(
+        stored_values(raw, name).astype(np.float64), values.numpy(), equal_nan=True
+    )
+    if dtype == torch.uint8:
+        want = int((scale == 255).sum())
+    else:
+        fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        positive = values >= 0 if fp8 else values > 0
+        want = int((~torch.isfinite(values) | ~positive).sum())
+    assert invalid_scale_values(raw, name) == want > 0
+
+
 def test_nan_e8m0_scale(checkpoints, tmp_path, capsys) -> None:
     model_dir = _broken(checkpoints, "mxfp4", tmp_path)
     _edit_tensors(

@@ -324,6 +324,77 @@ def test_index_and_shards_disagree(tiny_checkpoint: Path, tmp_path: Path) -> Non
         load_drafter_state_dict(broken)
 
 
+def _corruptions(good: bytes) -> dict[str, bytes]:
+    """``good`` (a safetensors file) broken every way the library's reader checks, and a few it takes."""
+    length = int.from_bytes(good[:8], "little")
+    header, data = json.loads(good[8 : 8 + length]), good[8 + length :]
+    key = next(k for k in header if k != "__metadata__")
+
+    def with_header(edit=None, raw=None) -> bytes:
+        h = json.loads(json.dumps(header))
+        if edit:
+            edit(h)
+        raw = json.dumps(h).encode() if raw is None else raw
+        return len(raw).to_bytes(8, "little") + raw + data
+
+    def entry(**fields):
+        return lambda h: h[key].update(fields)
+
+    return {
+        "good": good,
+        "empty": b"",
+        "short": b"abc",
+        "truncated": good[:-1],
+        "one byte more": good + b"0",
+        "length zero": b"\0" * 8 + good[8:],
+        "length beyond the file": (len(good) * 2).to_bytes(8, "little") + good[8:],
+        "huge length": (10**9).to_bytes(8, "little") + good[8:],
+        "not JSON": with_header(raw=b"{not json"),
+        "not UTF-8": with_header(raw=b'{"\xff": 1}'),
+        "a list": with_header(raw=b"[]"),
+        "NUL padding": with_header(raw=json.dumps(header).encode() + b"\0"),
+        "space padding": with_header(raw=json.dumps(header).encode() + b"   "),
+        "metadata not strings": with_header(lambda h: h.update(__metadata__={"a": 1})),
+        "unknown dtype": with_header(entry(dtype="F7")),
+        "negative shape": with_header(entry(shape=[-1])),
+        "shape of bools": with_header(entry(shape=[True])),
+        "no shape": with_header(lambda h: h[key].pop("shape")),
+        "shape not its bytes": with_header(entry(shape=[1, 2, 4])),
+        "an offset gap": with_header(entry(data_offsets=[1, 2])),
+        "three offsets": with_header(entry(data_offsets=[0, 1, 2])),
+        "an extra field": with_header(entry(extra=1)),
+    }
+
+
+def test_the_header_reader_refuses_what_the_library_refuses(tmp_path: Path) -> None:
+    """``read_header`` validates with the standard library alone (``check`` imports no torch): it
+    refuses exactly the files the safetensors library refuses, each as not readable."""
+    from vllm_dspark.checkpoint.st_io import read_header
+    from vllm_dspark.findings import FindingError
+
+    path = tmp_path / "t.safetensors"
+    save_tensors(path, {"a": torch.ones(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)})
+    for name, content in _corruptions(path.read_bytes()).items():
+        path.write_bytes(content)
+        try:
+            with safe_open(str(path), "numpy"):
+                pass
+            library_reads = True
+        except Exception:
+            library_reads = False
+        try:
+            ours = read_header(path)
+        except FindingError as e:
+            assert not library_reads, (name, str(e))
+            assert "is not a readable safetensors file" in str(e), (name, str(e))
+        else:
+            assert library_reads, name
+            assert {k: (t.dtype, t.shape) for k, t in ours.items()} == {
+                "a": ("F32", (2, 3)),
+                "b": ("BF16", (4,)),
+            }, name
+
+
 def test_unreadable_shard(tiny_checkpoint: Path, tmp_path: Path) -> None:
     broken = tmp_path / "c"
     shutil.copytree(tiny_checkpoint, broken)

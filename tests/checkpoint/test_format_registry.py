@@ -27,8 +27,8 @@ class PerTensorFP8(formats.FP8):
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         return {
-            "weight": TensorSpec(torch.float8_e4m3fn, tuple(shape)),
-            "weight_scale": TensorSpec(torch.float32, (1,)),
+            "weight": TensorSpec("F8_E4M3", tuple(shape)),
+            "weight_scale": TensorSpec("F32", (1,)),
         }
 
     def _scale(self, weight: torch.Tensor) -> torch.Tensor:

@@ -238,7 +238,6 @@ def test_4bit_builds_resolve_to_the_recipe_at_vllm_runtime_names(
 def _dtypes(config, stored: dict[str, str]) -> dict[str, str]:
     """Header dtypes of a build of ``config`` whose modules ``stored`` ({module: fmt}) are quantized."""
     from vllm_dspark.checkpoint import formats
-    from vllm_dspark.checkpoint.st_io import SAFETENSORS_DTYPES
 
     out = {}
     for spec in checkpoint_modules(config):
@@ -247,7 +246,7 @@ def _dtypes(config, stored: dict[str, str]) -> dict[str, str]:
             out[f"{spec.name}.weight"] = "BF16"
         else:
             out |= {
-                f"{spec.name}.{s}": SAFETENSORS_DTYPES[t.dtype]
+                f"{spec.name}.{s}": t.dtype_name
                 for s, t in formats.get(fmt).tensor_specs(spec.shape).items()
             }
         if spec.bias:

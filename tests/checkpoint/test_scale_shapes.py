@@ -56,14 +56,14 @@ def builds(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> P
 
 
 def test_one_value_specs_take_both_shapes() -> None:
-    scale = TensorSpec(torch.float32, (1,))
+    scale = TensorSpec("F32", (1,))
     assert scale.shapes == ((1,), ()) and scale.fits(()) and scale.fits([1])
-    assert TensorSpec(torch.float32, ()).shapes == ((), (1,))
+    assert TensorSpec("F32", ()).shapes == ((), (1,))
     assert not scale.fits((2,)) and not scale.fits((1, 1))
     assert scale.conform(torch.tensor(2.0)).shape == (1,)
-    assert TensorSpec(torch.float32, ()).conform(torch.tensor([2.0])).shape == ()
+    assert TensorSpec("F32", ()).conform(torch.tensor([2.0])).shape == ()
     # Any other shape has no alias, and conform leaves what does not fit alone.
-    channel = TensorSpec(torch.float32, (4, 1))
+    channel = TensorSpec("F32", (4, 1))
     assert channel.shapes == ((4, 1),) and not channel.fits((4,))
     assert channel.conform(torch.ones(4)).shape == (4,)
 

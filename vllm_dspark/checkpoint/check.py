@@ -15,7 +15,7 @@ from vllm_dspark.checkpoint.layout import (
     checkpoint_modules,
     stored_modules,
 )
-from vllm_dspark.checkpoint.st_io import SAFETENSORS_DTYPES, StoredTensor, read_tensor
+from vllm_dspark.checkpoint.st_io import DTYPES, StoredTensor, read_bytes
 from vllm_dspark.checkpoint.store import (
     expected_tensors,
     human_bytes,
@@ -26,7 +26,7 @@ from vllm_dspark.checkpoint.store import (
     stored_tensor_specs,
 )
 from vllm_dspark.findings import Finding, FindingError, errors, os_error_finding, render
-from vllm_dspark.finite import invalid_scale_count
+from vllm_dspark.finite import invalid_scale_values, stored_values
 
 if TYPE_CHECKING:
     from vllm_dspark.config import K3DSparkConfig
@@ -107,11 +107,11 @@ def _tensor_problems(
         for key in misshaped
     ]
     for key, want in expected.items():
-        ok_dtypes = [SAFETENSORS_DTYPES[d] for d in want.dtypes]
-        if key in found and stored[key].dtype not in ok_dtypes:
+        if key in found and stored[key].dtype not in want.dtype_names:
             problems.append(
                 Finding(
-                    f"dtype {stored[key].dtype}, but {what(key)} stores it as {' or '.join(ok_dtypes)}",
+                    f"dtype {stored[key].dtype}, but {what(key)} stores it as "
+                    f"{' or '.join(want.dtype_names)}",
                     _REQUANTIZE,
                     key,
                 )
@@ -152,18 +152,22 @@ def _scale_problems(
             key = f"{spec.name}.{suffix}"
             if not formats.is_scale(suffix) or key not in stored or tensor_spec.optional:
                 continue  # a missing scale is already a missing-tensor problem; vLLM drops an optional one
-            scale = read_tensor(stored[key].path, key)
-            bad = invalid_scale_count(scale)
+            scale = stored[key]
+            dtype = DTYPES[scale.dtype][1]  # its torch name
+            if dtype is None:
+                continue  # a dtype no tool reads: a dtype problem, named with the tensors'
+            raw, numel = read_bytes(scale), math.prod(scale.shape)
+            bad = invalid_scale_values(raw, dtype)
             if bad:
                 problems.append(
                     Finding(
-                        f"{bad} of {scale.numel()} scale values are NaN, infinite or not positive",
+                        f"{bad} of {numel} scale values are NaN, infinite or not positive",
                         _REQUANTIZE,
                         key,
                     )
                 )
-            if suffix in formats.GLOBAL_SCALE_SUFFIXES and scale.numel() == 1:
-                global_scales[spec.name] = float(scale)
+            if suffix in formats.GLOBAL_SCALE_SUFFIXES and numel == 1:
+                global_scales[spec.name] = float(stored_values(raw, dtype)[0])
     name = formats.GLOBAL_SCALE_SUFFIXES[encoding == modelopt.ENCODING]
     return problems + quant_plan.fused_scale_conflicts(global_scales, name)
 

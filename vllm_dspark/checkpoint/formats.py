@@ -2,9 +2,10 @@
 """The weight-only formats a drafter can be quantized to: one :class:`QuantFormat` per format.
 
 Everything numeric comes from compressed-tensors (preset schemes, qparam helpers, compressors),
-imported where it is used: a format also states its preset's weight args as plain data (checked
-against the preset in the tests), so the FP8 path plans, quantizes and writes its config without it;
-a format chooses its scheme, declares the tensors it stores per module, and recognises its own
+imported where it is used, as torch is: what a format stores (its :class:`TensorSpec`, in
+safetensors dtype names) is read without either, by ``vllm-dspark check``. A format also states its
+preset's weight args as plain data (checked against the preset in the tests), so the FP8 path plans,
+quantizes and writes its config without compressed-tensors; a format chooses its scheme, declares the tensors it stores per module, and recognises its own
 config groups and stored tensors. :data:`REGISTRY` holds them by name; every tool asks it, so a
 new format is one registered class. The math runs in row chunks (:func:`quantize_weight` and
 friends) so a large projection never needs the whole float32 weight as scratch. Which modules
@@ -18,17 +19,20 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from vllm_dspark.checkpoint.layout import QUANT_FORMATS
-from vllm_dspark.ops.act_quant import FP4_MAX, ActScheme
-from vllm_dspark.ops.fp4 import dequantize_nvfp4
+from vllm_dspark.checkpoint.st_io import dtype_name, torch_dtype, torch_name
 
 if TYPE_CHECKING:
+    import torch
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from vllm_dspark.ops.act_quant import ActScheme
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 # Rows per chunk hold about this many weights: the chunk stays in cache across compressed-tensors'
 # elementwise passes, and the FP4 packer's [rows, K, 8] float scratch stays small.
@@ -40,23 +44,43 @@ _CHUNK_ELEMENTS = 1 << 18
 ONE_VALUE_SHAPES: tuple[tuple[int, ...], ...] = ((1,), ())
 # The float dtypes a scale is stored in beside float32, the one it is written in: vLLM's float32 scale
 # parameters copy them in exactly.
-SCALE_DTYPES = (torch.bfloat16, torch.float16)
+SCALE_DTYPES = ("BF16", "F16")
+
+
+def no_grad(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``@torch.no_grad()`` that imports torch when ``fn`` runs: what a format stores (its
+    :class:`TensorSpec`) is read without torch, by ``vllm-dspark check``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        import torch
+
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     """dtype and shape of one stored tensor, as written; ``also`` lists dtypes other producers write.
 
+    dtypes are safetensors names (``F8_E4M3``); :attr:`dtype` is the written one as a torch dtype.
     A one-value tensor (a per-tensor scale) is stored as [1] or as []: :attr:`shapes` names both,
     :meth:`fits` takes both, and :meth:`conform` gives any of them this spec's own :attr:`shape` (and
-    any of :attr:`dtypes` its :attr:`dtype`). An ``optional`` tensor is one vLLM takes when stored and
-    does without (nothing computes with it; writers leave it out).
+    any of :attr:`dtype_names` its :attr:`dtype`). An ``optional`` tensor is one vLLM takes when
+    stored and does without (nothing computes with it; writers leave it out).
     """
 
-    dtype: torch.dtype
+    dtype_name: str
     shape: tuple[int, ...]
-    also: tuple[torch.dtype, ...] = ()
+    also: tuple[str, ...] = ()
     optional: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype it is written in (imports torch)."""
+        return torch_dtype(self.dtype_name)
 
     @property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -66,9 +90,9 @@ class TensorSpec:
         return (self.shape,)
 
     @property
-    def dtypes(self) -> tuple[torch.dtype, ...]:
-        """Every dtype a checkpoint may store it in: :attr:`dtype` first."""
-        return (self.dtype, *self.also)
+    def dtype_names(self) -> tuple[str, ...]:
+        """Every dtype a checkpoint may store it in: the written one first."""
+        return (self.dtype_name, *self.also)
 
     def fits(self, shape: Sequence[int]) -> bool:
         """Whether a stored tensor of ``shape`` is this one (vLLM loads it)."""
@@ -83,7 +107,7 @@ class TensorSpec:
         in :attr:`shape` and :attr:`dtype` (a BF16 scale computes as the float32 scale of its value)."""
         if tuple(tensor.shape) != self.shape and self.fits(tensor.shape):
             tensor = tensor.reshape(self.shape)
-        return tensor.to(self.dtype) if tensor.dtype in self.also else tensor
+        return tensor.to(self.dtype) if dtype_name(tensor.dtype) in self.also else tensor
 
 
 WEIGHT_FIELDS = (
@@ -124,8 +148,9 @@ class QuantFormat:
     strategy: str  # the preset's weight strategy: "channel", "group" or "tensor"
     group_size: int | None = None  # input columns per scale; None for a whole row or tensor
     block: tuple[int, int] | None = None  # (rows, columns) per weight scale of a block format
-    scale_dtype: torch.dtype | None = None  # a stored scale dtype the scheme names; None: float
-    activation: ActScheme | None = None  # how vLLM quantizes the input; None: weight-only (W*A16)
+    scale_dtype: str | None = None  # a stored scale dtype the scheme names; None: float
+    # How vLLM quantizes the input, as :attr:`activation`'s arguments; None: weight-only (W*A16).
+    activation_args: tuple[str, int | None] | None = None
     input_args: dict[str, Any] | None = None  # the preset's input activation args, as data
     modelopt_algo: str | None = None  # ModelOpt's quant_algo for the same numerics, if it has one
     # What vLLM 0.33/0.34 compute for it on NVIDIA GPUs, from each compute capability (major * 10 +
@@ -134,8 +159,16 @@ class QuantFormat:
     cuda_kernels: tuple[tuple[int, str | None], ...] = ((75, None),)
 
     @functools.cached_property
+    def activation(self) -> ActScheme | None:
+        """How vLLM quantizes the input (computed in torch, imported here); None: weight-only (W*A16)."""
+        from vllm_dspark.ops.act_quant import ActScheme
+
+        return None if self.activation_args is None else ActScheme(*self.activation_args)
+
+    @functools.cached_property
     def scheme(self) -> QuantizationScheme:
         """The compressed-tensors scheme (targets filled in by :func:`compressed_tensors_config`)."""
+        import torch
         from compressed_tensors.compressors.format import infer_module_format
         from compressed_tensors.quantization import preset_name_to_scheme
 
@@ -156,7 +189,9 @@ class QuantFormat:
             "group_size": self.group_size,
             "block_structure": None if self.block is None else list(self.block),
             "dynamic": False,
-            "scale_dtype": None if self.scale_dtype is None else str(self.scale_dtype),
+            "scale_dtype": None
+            if self.scale_dtype is None
+            else f"torch.{torch_name(self.scale_dtype)}",
         }
         return {
             "targets": list(targets),
@@ -311,8 +346,8 @@ class FP8(QuantFormat):
         n, k = shape
         # Written in fp32 (what vLLM's scale parameter holds); bf16/fp16 scales also load.
         return {
-            "weight": TensorSpec(torch.float8_e4m3fn, (n, k)),
-            "weight_scale": TensorSpec(torch.float32, (n, 1), also=SCALE_DTYPES),
+            "weight": TensorSpec("F8_E4M3", (n, k)),
+            "weight_scale": TensorSpec("F32", (n, 1), also=SCALE_DTYPES),
         }
 
     def identify(self, dtypes: Mapping[str, str]) -> bool:
@@ -339,7 +374,7 @@ class FP8Dynamic(FP8):
     preset = "FP8_DYNAMIC"
     format_strings = ("float-quantized",)
     description = QUANT_FORMATS["fp8-dynamic"]
-    activation = ActScheme("fp8_token")
+    activation_args = ("fp8_token", None)
     input_args = {**_FP8_INPUTS, "strategy": "token", "dynamic": True}
     modelopt_algo = "FP8_PER_CHANNEL_PER_TOKEN"
     # Below sm_89 vLLM's compressed-tensors config picks its W8A16 scheme instead (no FP8 GEMM).
@@ -357,7 +392,7 @@ class FP8Static(QuantFormat):
     num_bits, strategy = 8, "tensor"
     compiled_kernels = False
     contract = FP8.contract
-    activation = ActScheme("fp8_tensor")
+    activation_args = ("fp8_tensor", None)
     fused_shares_scale = True  # vLLM requantizes fused shards to their largest scale otherwise
     input_args = {
         **_FP8_INPUTS,
@@ -369,9 +404,9 @@ class FP8Static(QuantFormat):
     cuda_kernels = FP8Dynamic.cuda_kernels
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
-        scalar = TensorSpec(torch.float32, (1,), also=SCALE_DTYPES)
+        scalar = TensorSpec("F32", (1,), also=SCALE_DTYPES)
         return {
-            "weight": TensorSpec(torch.float8_e4m3fn, shape),
+            "weight": TensorSpec("F8_E4M3", shape),
             "weight_scale": scalar,
             "input_scale": scalar,
         }
@@ -380,10 +415,14 @@ class FP8Static(QuantFormat):
         return dtypes.get("weight") == "F8_E4M3" and "input_scale" in dtypes
 
     def input_scales(self) -> dict[str, torch.Tensor]:
+        import torch
+
         return {"input_scale": torch.tensor([CALIBRATION_FREE_INPUT_AMAX / 448.0])}
 
     def shared_global_scale(self, weights: Iterable[torch.Tensor]) -> torch.Tensor:
         """The one weight scale a fused group shares: its largest magnitude / 448."""
+        import torch
+
         # The per-tensor scale of the two extremes is the scale of everything between them.
         return _scales(torch.stack(_value_range(weights))[None], self.name, None)
 
@@ -417,7 +456,7 @@ class FP8Block(FP8):
     format_strings = ("float-quantized",)
     description = QUANT_FORMATS["fp8-block"]
     strategy, block = "block", (128, 128)
-    activation = ActScheme("fp8_group", 128)
+    activation_args = ("fp8_group", 128)
     input_args = {**_FP8_INPUTS, "strategy": "group", "group_size": 128, "dynamic": True}
     # Block kernels (CUTLASS) start at sm_90; below, vLLM's kernel list reaches Marlin first.
     cuda_kernels = ((75, "weight-only, inputs unquantized (Marlin)"), (90, None))
@@ -427,7 +466,7 @@ class FP8Block(FP8):
         (r, c), specs = self.block, super().tensor_specs(shape)
         return {
             **specs,
-            "weight_scale": TensorSpec(torch.float32, (-(-n // r), -(-k // c)), also=SCALE_DTYPES),
+            "weight_scale": TensorSpec("F32", (-(-n // r), -(-k // c)), also=SCALE_DTYPES),
         }
 
 
@@ -435,16 +474,16 @@ class _FP4(QuantFormat):
     """E2M1 codes packed two per byte, one scale per group of input columns."""
 
     num_bits = 4
-    scale_dtype: torch.dtype
+    scale_dtype: str
 
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         n, k = shape
         specs = {
-            "weight_packed": TensorSpec(torch.uint8, (n, k // 2)),
+            "weight_packed": TensorSpec("U8", (n, k // 2)),
             "weight_scale": TensorSpec(self.scale_dtype, (n, k // self.group_size)),
         }
         if self.has_global_scale:
-            specs["weight_global_scale"] = TensorSpec(torch.float32, (1,), also=SCALE_DTYPES)
+            specs["weight_global_scale"] = TensorSpec("F32", (1,), also=SCALE_DTYPES)
         return specs
 
 
@@ -457,7 +496,7 @@ class MXFP4(_FP4):
     format_strings = ("mxfp4-pack-quantized",)
     description = QUANT_FORMATS["mxfp4"]
     strategy, group_size = "group", 32
-    scale_dtype = torch.uint8
+    scale_dtype = "U8"
     # vLLM builds it with MXFP4 input keys: Marlin ignores them; Humming (sm_90) quantizes inputs to
     # FP8; FlashInfer's CuTe-DSL kernel (sm_100+, where installed) to MXFP4.
     cuda_kernels = (
@@ -483,7 +522,7 @@ class NVFP4(_FP4):
     format_strings = ("nvfp4-pack-quantized",)
     description = QUANT_FORMATS["nvfp4"]
     strategy, group_size = "tensor_group", 16
-    scale_dtype = torch.float8_e4m3fn
+    scale_dtype = "F8_E4M3"
     has_global_scale = fused_shares_scale = True
     modelopt_algo = "W4A16_NVFP4"
 
@@ -491,12 +530,14 @@ class NVFP4(_FP4):
         return (
             "weight_packed" in dtypes
             and "weight_global_scale" in dtypes
-            and ("input_global_scale" in dtypes) == (self.activation is not None)
+            and ("input_global_scale" in dtypes) == (self.activation_args is not None)
         )
 
     def served_weight(
         self, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
     ) -> torch.Tensor:
+        from vllm_dspark.ops.fp4 import dequantize_nvfp4
+
         # vLLM multiplies by 1 / global scale in float32; compressed-tensors' decompressor rounds to BF16.
         multiplier = 1.0 / tensors["weight_global_scale"].float().max()
         return dequantize_nvfp4(tensors["weight_packed"], tensors["weight_scale"], multiplier)
@@ -526,7 +567,7 @@ class NVFP4W4A4(NVFP4):
     name = "nvfp4-w4a4"
     preset = "NVFP4"
     description = QUANT_FORMATS["nvfp4-w4a4"]
-    activation = ActScheme("nvfp4")
+    activation_args = ("nvfp4", None)
     modelopt_algo = "NVFP4"
     # FP4 GEMMs start at sm_100; below, Humming (sm_90) takes FP8 inputs and Marlin none.
     cuda_kernels = (
@@ -548,15 +589,21 @@ class NVFP4W4A4(NVFP4):
     def tensor_specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         return {
             **super().tensor_specs(shape),
-            "input_global_scale": TensorSpec(torch.float32, (1,), also=SCALE_DTYPES),
+            "input_global_scale": TensorSpec("F32", (1,), also=SCALE_DTYPES),
         }
 
     def input_scales(self) -> dict[str, torch.Tensor]:
+        import torch
+
+        from vllm_dspark.ops.act_quant import FP4_MAX
+
         return {"input_global_scale": torch.tensor([448.0 * FP4_MAX / CALIBRATION_FREE_INPUT_AMAX])}
 
 
 def _value_range(weights: Iterable[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 minimum and maximum over all of ``weights`` (a fused group's shards)."""
+    import torch
+
     lo, hi = zip(*(torch.aminmax(w.detach()) for w in weights))
     return torch.stack(lo).min().float(), torch.stack(hi).max().float()
 
@@ -585,6 +632,7 @@ def _check_weight(weight: torch.Tensor, fmt: str) -> None:
 
 
 def _scales(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> torch.Tensor:
+    import torch
     from compressed_tensors.quantization.utils import (
         calculate_qparams,
         compute_dynamic_scales_and_zp,
@@ -609,6 +657,8 @@ def _global_scale(
     weight: torch.Tensor, fmt: str, global_scale: torch.Tensor | None
 ) -> torch.Tensor | None:
     """Validate ``weight`` for ``fmt`` and return the global scale it quantizes with, if its format has one."""
+    import torch
+
     _check_weight(weight, fmt)
     if global_scale is not None and not get(fmt).has_global_scale:
         having = " and ".join(f.name for f in REGISTRY.values() if f.has_global_scale)
@@ -620,7 +670,7 @@ def _global_scale(
     return global_scale
 
 
-@torch.no_grad()
+@no_grad
 def quantize_weight(
     weight: torch.Tensor, fmt: str, *, global_scale: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
@@ -629,6 +679,8 @@ def quantize_weight(
     Runs on ``weight``'s device. ``global_scale`` (nvfp4 only) is the fused group's shared scale
     from :meth:`QuantFormat.shared_global_scale`; by default the weight's own.
     """
+    import torch
+
     global_scale = _global_scale(weight, fmt, global_scale)
     scheme, compressor = _scheme(fmt), _compressor(fmt)
     pieces: list[dict[str, torch.Tensor]] = []
@@ -663,7 +715,7 @@ def _chunk_scales(
         yield rows, x, whole if whole is not None else _scales(x, fmt, global_scale)
 
 
-@torch.no_grad()
+@no_grad
 def fake_quantize_weight(
     weight: torch.Tensor, fmt: str, *, global_scale: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -672,6 +724,8 @@ def fake_quantize_weight(
     compressed-tensors' ``fake_quantize`` with the scales :func:`quantize_weight` stores. In BF16 it
     equals ``dequantize_weight(quantize_weight(weight))`` bit for bit (tested), without FP4 packing.
     """
+    import torch
+
     global_scale = _global_scale(weight, fmt, global_scale)
     args = _scheme(fmt).weights
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
@@ -683,11 +737,13 @@ def fake_quantize_weight(
     return out
 
 
-@torch.no_grad()
+@no_grad
 def dequantize_weight(
     tensors: dict[str, torch.Tensor], fmt: str, shape: tuple[int, int]
 ) -> torch.Tensor:
     """float32 [N, K] weight back from ``tensors`` (suffix -> tensor), by compressed-tensors' decompressor."""
+    import torch
+
     if get(fmt).block:
         # Its decompressor reads a one-column [N/128, 1] block scale as a channel scale: say the args.
         from compressed_tensors.quantization.lifecycle.forward import dequantize
@@ -709,6 +765,8 @@ def _error_sums(
     weight: torch.Tensor, tensors: dict[str, torch.Tensor], fmt: str
 ) -> tuple[float, float]:
     """|W|^2 and |W - dequant(Q)|^2 of a quantized weight, dequantized chunk by chunk."""
+    import torch
+
     signal = noise = 0.0
     r = get(fmt).row_block
     for rows in _row_chunks(*weight.shape, align=r):
@@ -738,26 +796,28 @@ def snr_db(signal: float, noise: float) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
-@torch.no_grad()
+@no_grad
 def weight_snr_db(weight: torch.Tensor, tensors: dict[str, torch.Tensor], fmt: str) -> float:
     """10 log10(|W|^2 / |W - dequant(Q)|^2) of a quantized weight, dequantized chunk by chunk."""
     return snr_db(*_error_sums(weight, tensors, fmt))
 
 
-_FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-_F32_EPS = torch.finfo(torch.float32).eps
+_FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_F32_EPS = 2.0**-23  # torch.finfo(torch.float32).eps
 
 
 def _e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
     """float32 values of e4m3 ``q``: its bits moved into float16's, times 2^8 (exact, subnormals
     included); torch's own e4m3 -> float cast is an elementwise loop several times slower."""
+    import torch
+
     bits = q.view(torch.uint8).to(torch.int16)
     half = bits.bitwise_and(0x7F).bitwise_left_shift_(7)
     half.bitwise_or_(bits.bitwise_and_(0x80).bitwise_left_shift_(8))
     return half.view(torch.float16).float().mul_(256.0)
 
 
-@torch.no_grad()
+@no_grad
 def fp8_channel_quantize(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], float, float]:
     """:meth:`FP8.quantize_with_error`: compressed-tensors' channel-wise FP8 math, fused.
 
@@ -765,6 +825,8 @@ def fp8_channel_quantize(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor],
     (eps where zero), q = e4m3(clamp(W / scale)); the error is against its dequantization,
     float32(q) * scale. Per row chunk, so every pass runs on data still in cache.
     """
+    import torch
+
     n, k = weight.shape
     q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=weight.device)
     scale = torch.empty((n, 1), dtype=torch.float32, device=weight.device)

@@ -14,14 +14,18 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vllm_dspark.checkpoint import formats
-from vllm_dspark.checkpoint.formats import CALIBRATION_FREE_INPUT_AMAX, SCALE_DTYPES, TensorSpec
-from vllm_dspark.ops.act_quant import FP4_MAX, FP8_MAX, NVFP4_BLOCK
-from vllm_dspark.ops.fp4 import dequantize_nvfp4
+from vllm_dspark.checkpoint.formats import (
+    CALIBRATION_FREE_INPUT_AMAX,
+    SCALE_DTYPES,
+    TensorSpec,
+    no_grad,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 ENCODING = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"  # where ModelOpt (and vLLM, failing config.json) reads it
@@ -30,8 +34,10 @@ PRODUCER = {"name": "modelopt", "version": "0.47.0"}
 # vLLM's ModelOptFp8Config / ModelOptNvFp4Config.get_min_capability() (the compute capability, major *
 # 10 + minor, they declare): FP8 from sm_80, though its Marlin kernel would run on sm_75.
 MIN_CAPABILITY = {"FP8": 80, "FP8_PER_CHANNEL_PER_TOKEN": 80, "NVFP4": 75, "W4A16_NVFP4": 75}
+# Values per NVFP4 block scale: ops.act_quant's NVFP4_BLOCK, known here without its torch import.
+NVFP4_BLOCK = formats.NVFP4.group_size
 # Magnitudes rounding up to the next code; a tie goes down except at 0.75, 1.75 and 3.5 (ties to even).
-_E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def algos() -> dict[str, str]:
@@ -140,25 +146,25 @@ def tensor_specs(fmt: str, shape: tuple[int, int]) -> dict[str, TensorSpec]:
     W4A16 NVFP4 may hold older exports' ``input_scale`` (optional: vLLM loads it and drops it).
     """
     n, k = shape
-    scalar = TensorSpec(torch.float32, (1,), also=SCALE_DTYPES)
+    scalar = TensorSpec("F32", (1,), also=SCALE_DTYPES)
     if fmt == "fp8-static":
         return {
-            "weight": TensorSpec(torch.float8_e4m3fn, (n, k)),
+            "weight": TensorSpec("F8_E4M3", (n, k)),
             "weight_scale": scalar,
             "input_scale": scalar,
         }
     if fmt == "fp8-dynamic":
         return {
-            "weight": TensorSpec(torch.float8_e4m3fn, (n, k)),
-            "weight_scale": TensorSpec(torch.float32, (n,), also=SCALE_DTYPES),
+            "weight": TensorSpec("F8_E4M3", (n, k)),
+            "weight_scale": TensorSpec("F32", (n,), also=SCALE_DTYPES),
         }
     specs = {
-        "weight": TensorSpec(torch.uint8, (n, k // 2)),
-        "weight_scale": TensorSpec(torch.float8_e4m3fn, (n, k // NVFP4_BLOCK)),
-        "weight_scale_2": TensorSpec(torch.float32, (), also=SCALE_DTYPES),
+        "weight": TensorSpec("U8", (n, k // 2)),
+        "weight_scale": TensorSpec("F8_E4M3", (n, k // NVFP4_BLOCK)),
+        "weight_scale_2": TensorSpec("F32", (), also=SCALE_DTYPES),
     }
-    weight_only = formats.get(fmt).activation is None
-    specs["input_scale"] = TensorSpec(torch.float32, (), also=SCALE_DTYPES, optional=weight_only)
+    weight_only = formats.get(fmt).activation_args is None
+    specs["input_scale"] = TensorSpec("F32", (), also=SCALE_DTYPES, optional=weight_only)
     return specs
 
 
@@ -192,7 +198,7 @@ def input_scale(fmt: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor |
     return 1.0 / scale if fmt == "nvfp4-w4a4" else scale
 
 
-@torch.no_grad()
+@no_grad
 def quantize(
     weight: torch.Tensor, fmt: str, *, amax: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
@@ -201,6 +207,10 @@ def quantize(
     ``amax``: the per-tensor amax a fused group shares (FP8 weight scale, NVFP4 ``weight_scale_2``);
     by default the weight's own. Bit-identical to ModelOpt 0.47 (tests/checkpoint/test_modelopt.py).
     """
+    import torch
+
+    from vllm_dspark.ops.act_quant import FP4_MAX, FP8_MAX
+
     formats._check_weight(weight, fmt)
     w = weight.detach()
     if fmt == "fp8-dynamic":
@@ -222,25 +232,29 @@ def quantize(
     s = torch.where(s == 0, torch.ones_like(s), s)
     s8 = s.clamp(min=2**-9, max=FP8_MAX).to(torch.float8_e4m3fn)
     x = (blocks / (s8.float() * s2).unsqueeze(-1)).reshape(n, k)
-    code = torch.searchsorted(_E2M1_BOUNDS, x.abs().contiguous()).to(torch.uint8)
+    code = torch.searchsorted(torch.tensor(_E2M1_BOUNDS), x.abs().contiguous()).to(torch.uint8)
     code += ((x.abs() == 0.75) | (x.abs() == 1.75) | (x.abs() == 3.5)).to(torch.uint8)
     code |= (x < 0).to(torch.uint8) << 3
     out = {"weight": (code[:, 1::2] << 4) | code[:, 0::2], "weight_scale": s8, "weight_scale_2": s2}
-    if formats.get(fmt).activation is not None:
+    if formats.get(fmt).activation_args is not None:
         out["input_scale"] = torch.tensor(CALIBRATION_FREE_INPUT_AMAX / (FP4_MAX * FP8_MAX))
     return out
 
 
 def group_amax(weights: Iterable[torch.Tensor]) -> torch.Tensor:
     """The amax a fused group's shards share, so vLLM's one per-tensor scale fits them all."""
+    import torch
+
     return torch.stack([w.detach().abs().amax().float() for w in weights]).max()
 
 
-@torch.no_grad()
+@no_grad
 def dequantize(
     tensors: Mapping[str, torch.Tensor], fmt: str, shape: tuple[int, int]
 ) -> torch.Tensor:
     """float32 [N, K] weight from ModelOpt's ``tensors``, as its ``dequantize`` (and vLLM) compute it."""
+    from vllm_dspark.ops.fp4 import dequantize_nvfp4
+
     n, k = shape
     if fmt in ("fp8-static", "fp8-dynamic"):
         scale = tensors["weight_scale"].float()

@@ -12,8 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from vllm_dspark.checkpoint import formats, modelopt, quant_config
 from vllm_dspark.checkpoint.layout import (
     FUSED_GROUPS,
@@ -28,6 +26,8 @@ from vllm_dspark.checkpoint.layout import (
 from vllm_dspark.findings import Finding, FindingError
 
 if TYPE_CHECKING:
+    import torch
+
     from vllm_dspark.config import K3DSparkConfig
 
 _FIX_SHARDS = (
@@ -168,23 +168,27 @@ def fused_scale_conflicts(global_scales: Mapping[str, float], name: str) -> list
 # ----- what the config says -----
 
 
-class RMSNorm(torch.nn.Module):
-    """Stands in for a norm when matching class targets (models name their norm classes ``*RMSNorm``)."""
-
-
 @functools.cache
 def _stand_in(role: str) -> torch.nn.Module:
     """A module of the class a checkpoint module has in the model, for compressed-tensors' class matching."""
+    import torch  # only a config entry naming a class needs it
+
     if role == "linear":
         return torch.nn.Linear(1, 1, bias=False, device="meta")
     if role == "embedding":
         return torch.nn.Embedding(1, 1, device="meta")
+
+    class RMSNorm(torch.nn.Module):
+        """Stands in for a norm when matching class targets (models name their norm classes ``*RMSNorm``)."""
+
     return RMSNorm()
 
 
 @functools.cache
 def _class_names(role: str) -> frozenset[str]:
     """The class names compressed-tensors matches a module of ``role`` by: its stand-in's torch classes."""
+    import torch
+
     return frozenset(
         c.__name__ for c in type(_stand_in(role)).__mro__ if issubclass(c, torch.nn.Module)
     )

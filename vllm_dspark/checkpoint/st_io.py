@@ -1,6 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Safetensors files: one header reader, one tensor reader and one header-first writer.
 
+The header reader and :data:`DTYPES` need only the standard library (``vllm-dspark check`` imports
+no torch); tensors are read and written through torch, imported where they are.
+
 A file is an 8-byte little-endian header length, a JSON header ``{key: {dtype, shape,
 data_offsets}}`` and the data, each tensor's ``[begin, end)`` counted from the end of the header.
 The writer is given every tensor's :class:`Entry` before its first byte, so the header goes first
@@ -21,36 +24,65 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from safetensors import safe_open
+from typing import TYPE_CHECKING
 
 from vllm_dspark.findings import Finding, FindingError, os_error_finding
 
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+if TYPE_CHECKING:
+    import torch
+
+# Every safetensors dtype, in its Rust crate's ``Dtype`` enum order (checked at 0.8): its bits per element,
+# and the torch dtype's name where this project reads or writes tensors of it. The header reader and
+# ``vllm-dspark check`` work on these names alone, without importing torch.
+DTYPES: dict[str, tuple[int, str | None]] = {
+    "BOOL": (8, "bool"),
+    "F4": (4, None),
+    "F6_E2M3": (6, None),
+    "F6_E3M2": (6, None),
+    "U8": (8, "uint8"),
+    "I8": (8, "int8"),
+    "F8_E5M2": (8, "float8_e5m2"),
+    "F8_E4M3": (8, "float8_e4m3fn"),
+    "F8_E8M0": (8, None),
+    "F8_E4M3FNUZ": (8, None),
+    "F8_E5M2FNUZ": (8, None),
+    "I16": (16, "int16"),
+    "U16": (16, "uint16"),
+    "F16": (16, "float16"),
+    "BF16": (16, "bfloat16"),
+    "I32": (32, "int32"),
+    "U32": (32, "uint32"),
+    "F32": (32, "float32"),
+    "C64": (64, None),
+    "F64": (64, "float64"),
+    "I64": (64, "int64"),
+    "U64": (64, "uint64"),
 }
+_NAMES = {f"torch.{named}": name for name, (_, named) in DTYPES.items() if named}
+# The library's writer sorts tensors by dtype, descending in this order (widest alignment first), then by name.
+_LIBRARY_DTYPE_RANK = {name: i for i, name in enumerate(DTYPES)}
+_MAX_HEADER_BYTES = 100_000_000  # the library's limit
 
-TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
-# The safetensors library's ``Dtype`` enum in declaration order (its Rust crate, checked at 0.7 and 0.8);
-# its writer sorts tensors by this, descending (widest alignment first), then by name.
-_LIBRARY_DTYPE_ORDER: tuple[str, ...] = (
-    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16",
-    "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
-)  # fmt: skip
-_LIBRARY_DTYPE_RANK = {name: i for i, name in enumerate(_LIBRARY_DTYPE_ORDER)}
+def dtype_name(dtype: torch.dtype) -> str | None:
+    """The safetensors name of a torch dtype (``F8_E4M3``), or None if this project does not store it."""
+    return _NAMES.get(str(dtype))
+
+
+def torch_name(name: str) -> str:
+    """torch's name for a safetensors dtype (``float8_e4m3fn``); ``KeyError`` for one torch is not used for."""
+    named = DTYPES[name][1]
+    if named is None:
+        raise KeyError(name)
+    return named
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (imports torch)."""
+    import torch
+
+    return getattr(torch, torch_name(name))
+
 
 # What this project's files carry unless told otherwise: the marker transformers' save_pretrained writes.
 DEFAULT_METADATA: Mapping[str, str] = {"format": "pt"}
@@ -68,9 +100,10 @@ class Entry:
     @classmethod
     def planned(cls, key: str, dtype: torch.dtype, shape: Sequence[int]) -> Entry:
         """The entry of a tensor not computed yet."""
-        if dtype not in SAFETENSORS_DTYPES:
+        name = dtype_name(dtype)
+        if name is None:
             raise ValueError(f"tensor {key!r}: dtype {dtype} cannot be stored in safetensors.")
-        return cls(key, SAFETENSORS_DTYPES[dtype], tuple(shape), math.prod(shape) * dtype.itemsize)
+        return cls(key, name, tuple(shape), math.prod(shape) * dtype.itemsize)
 
     @classmethod
     def of(cls, key: str, tensor: torch.Tensor) -> Entry:
@@ -92,28 +125,83 @@ class StoredTensor:
 
 
 def _open(path: Path):
-    try:  # safetensors reports a file it may not read as missing: ask the OS for the real cause
-        with open(path, "rb"):
-            pass
-    except OSError as e:
-        raise FindingError(os_error_finding(e)) from None
+    """The safetensors library's reader of ``path``, once :func:`read_header` has validated it."""
+    from safetensors import safe_open
+
+    read_header(path)
     try:
         return safe_open(str(path), framework="pt")
-    except Exception as e:  # safetensors raises its own error types for truncated / corrupt headers
-        raise FindingError(
-            Finding(f"{path} is not a readable safetensors file ({e})", "re-copy or re-export it")
-        ) from None
+    except Exception as e:  # safetensors raises its own error types for a header it refuses
+        raise _unreadable(path, str(e)) from None
+
+
+def _unreadable(path: Path, why: str) -> FindingError:
+    return FindingError(
+        Finding(f"{path} is not a readable safetensors file ({why})", "re-copy or re-export it")
+    )
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_problem(e: object) -> str | None:
+    """Why one header entry is not ``{dtype, shape, data_offsets}`` the library reads, or None."""
+    if not isinstance(e, dict):
+        return "not an object"
+    if e.get("dtype") not in DTYPES:
+        return f"unknown dtype {e.get('dtype')!r}"
+    shape, offsets = e.get("shape"), e.get("data_offsets")
+    if not isinstance(shape, list) or not all(map(_is_size, shape)):
+        return f"shape {shape!r} is not a list of sizes"
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_size, offsets)):
+        return f"data_offsets {offsets!r} are not two offsets"
+    if (offsets[1] - offsets[0]) * 8 != math.prod(shape) * DTYPES[e["dtype"]][0]:
+        return f"data_offsets {offsets} do not span its {e['dtype']} shape {shape}"
+    return None
 
 
 def read_header(path: str | Path) -> dict[str, StoredTensor]:
-    """``{key: StoredTensor}`` of a file in header order; ``ValueError`` naming a truncated or corrupt one."""
+    """``{key: StoredTensor}`` of a file in header order, validated as the safetensors library does
+    (standard library only); ``ValueError`` naming a truncated or corrupt file."""
     path = Path(path)
-    with _open(path):  # safetensors validates the header and that the data fills the file exactly
-        pass
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise _unreadable(path, "header too small")
+            length = int.from_bytes(prefix, "little")
+            if length > _MAX_HEADER_BYTES:
+                raise _unreadable(path, "header too large")
+            if 8 + length > size:
+                raise _unreadable(path, "invalid header length")
+            raw = f.read(length)
+    except OSError as e:
+        raise FindingError(os_error_finding(e)) from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise _unreadable(path, f"invalid UTF-8 in header: {e.reason} at byte {e.start}") from None
+    except json.JSONDecodeError as e:
+        raise _unreadable(path, f"invalid JSON in header: {e}") from None
+    if not isinstance(header, dict):
+        raise _unreadable(path, f"the header is a JSON {type(header).__name__}, not an object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise _unreadable(path, "__metadata__ is not an object of strings")
+    for key, e in header.items():
+        if (problem := _entry_problem(e)) is not None:
+            raise _unreadable(path, f"tensor {key!r}: {problem}")
+    end = 0  # the tensors must tile the data, in offset order, with no gap or overlap
+    for key, e in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
+        if e["data_offsets"][0] != end:
+            raise _unreadable(path, f"invalid offset for tensor {key!r}")
+        end = e["data_offsets"][1]
+    if 8 + length + end != size:
+        raise _unreadable(path, "incomplete metadata, file not fully covered")
     return {
         key: StoredTensor(
             path,
@@ -169,30 +257,55 @@ def read_rows(
     (its file, opened by the caller so readahead follows a stream of chunks; else opened here),
     into the front of ``buffer`` (uint8) when given. No memory map, so the pages read never count
     towards this process's resident memory."""
+    import torch
+
     n = source.shape[0] if source.shape else 1
     row_bytes = source.nbytes // max(n, 1)
     nbytes = row_bytes * (rows.stop - rows.start)
     if buffer is None or buffer.numel() < nbytes:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
     out = buffer[:nbytes]
-    view, offset = memoryview(out.numpy()), source.offset + rows.start * row_bytes
     own = fd is None
     fd = os.open(source.path, os.O_RDONLY) if own else fd
     try:
-        while view:
-            got = os.preadv(fd, [view], offset)
-            if got == 0:
-                raise OSError(f"{source.path} ended inside a tensor at byte {offset}")
-            view, offset = view[got:], offset + got
+        _pread_into(
+            memoryview(out.numpy()), fd, source.offset + rows.start * row_bytes, source.path
+        )
     finally:
         if own:
             os.close(fd)
-    return out.view(TORCH_DTYPES[source.dtype]).view(rows.stop - rows.start, *source.shape[1:])
+    return out.view(torch_dtype(source.dtype)).view(rows.stop - rows.start, *source.shape[1:])
+
+
+def read_bytes(source: StoredTensor) -> bytearray:
+    """A stored tensor's bytes as its file holds them (little-endian), read without torch."""
+    data = bytearray(source.nbytes)
+    fd = os.open(source.path, os.O_RDONLY)
+    try:
+        _pread_into(memoryview(data), fd, source.offset, source.path)
+    finally:
+        os.close(fd)
+    return data
+
+
+def _pread_into(view: memoryview, fd: int, offset: int, path: Path) -> None:
+    """Fill ``view`` from ``fd`` at ``offset``; a file that ends first is an ``OSError``."""
+    while view:
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            raise OSError(f"{path} ended inside a tensor at byte {offset}")
+        view, offset = view[got:], offset + got
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    import torch
+
+    return memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def pwrite_all(fd: int, tensor: torch.Tensor, offset: int) -> None:
     """Write ``tensor``'s bytes at ``offset`` of the open file ``fd``."""
-    data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    data = _bytes_of(tensor)
     while data:
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
@@ -294,15 +407,12 @@ class SafetensorsWriter:
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         entry = self._next(key)
-        got = (SAFETENSORS_DTYPES.get(tensor.dtype), tuple(tensor.shape))
+        got = (dtype_name(tensor.dtype), tuple(tensor.shape))
         if got != (entry.dtype, entry.shape):
             raise ValueError(
                 f"tensor {key!r} is {got}, but {self.path}'s header plans {(entry.dtype, entry.shape)}."
             )
-        _write_all(
-            self._file,
-            memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()),
-        )
+        _write_all(self._file, _bytes_of(tensor))
 
     def copy(self, key: str, source: StoredTensor) -> None:
         """Copy a tensor's bytes from another file: bit-identical by construction."""

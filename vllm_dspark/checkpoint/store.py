@@ -11,8 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from vllm_dspark.checkpoint import formats, modelopt
 from vllm_dspark.checkpoint.formats import TensorSpec
 from vllm_dspark.checkpoint.layout import (
@@ -32,10 +30,12 @@ from vllm_dspark.checkpoint.st_io import (
 from vllm_dspark.fields import DrafterFields, check_identity, parse_fields
 from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.finite import invalid_scale_count
-from vllm_dspark.ops.act_quant import ActScheme
 
 if TYPE_CHECKING:
+    import torch
+
     from vllm_dspark.config import K3DSparkConfig
+    from vllm_dspark.ops.act_quant import ActScheme
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -218,7 +218,7 @@ def stored_tensor_specs(
 
 
 def _float_tensor(shape: tuple[int, ...]) -> TensorSpec:
-    return TensorSpec(torch.bfloat16, shape, also=(torch.float16, torch.float32))
+    return TensorSpec("BF16", shape, also=("F16", "F32"))
 
 
 # What a key must hold: one shape, or a TensorSpec (whose one-value tensors take [1] and [] alike).
@@ -428,19 +428,23 @@ def resolve_checkpoint(model_dir: str | Path) -> QuantPlan:
 
 
 def load_drafter_state_dict(
-    model_dir: str | Path, *, dtype: torch.dtype | None = torch.bfloat16
+    model_dir: str | Path, *, dtype: torch.dtype | str | None = "bfloat16"
 ) -> tuple[K3DSparkConfig, dict[str, torch.Tensor]]:
     """Load and validate a drafter directory; returns ``(config, {HF key: tensor})``.
 
     The result always has the unquantized key set of ``layout.tensor_shapes(config)``: quantized
     modules (FP8 / MXFP4 / NVFP4 compressed-tensors) are dequantized here, once. Every tensor is cast
-    to ``dtype``; with ``dtype=None`` unquantized tensors keep their stored dtype and dequantized
-    ones are fp32 (the exact dequantized values, for an FP32 reference).
+    to ``dtype`` (a torch dtype or its name: the module imports no torch); with ``dtype=None``
+    unquantized tensors keep their stored dtype and dequantized ones are fp32 (the exact dequantized
+    values, for an FP32 reference).
 
     Tensors that need no conversion are memory-mapped (copy-on-write) from the shards: loading is
     instant, and processes reading the same checkpoint share its pages. :func:`~vllm_dspark.checkpoint.save.save_drafter` replaces
     files atomically, so rewriting a checkpoint never changes a mapped one under a running reader.
     """
+    import torch
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model_dir = Path(model_dir)
     checkpoint = read_checkpoint(model_dir)
     config, stored = checkpoint.config, checkpoint.stored
