@@ -28,8 +28,8 @@ SAMPLING = {
     "greedy": {"draft_sample_method": "greedy"},
     "probabilistic": {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"},
 }
-# Probabilistic drafting with block verification serves every client: sampled requests get the
-# full draft distribution, and temperature-0 ones fall back to argmax matching, exactly as greedy.
+# Probabilistic drafting with block verification serves every client: sampled requests are verified
+# against the whole draft distribution, temperature-0 ones by argmax matching (the greedy text).
 DEFAULT_SAMPLING = "probabilistic"
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -99,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--sampling",
         choices=sorted(SAMPLING),
         default=DEFAULT_SAMPLING,
-        help=f"probabilistic drafting with block verification, for clients that sample and exact "
-        f"at temperature 0 too; or greedy drafting, for temperature-0 clients only (default "
-        f"{DEFAULT_SAMPLING})",
+        help="probabilistic drafting with block verification, for clients that sample and exact "
+        "at temperature 0 too; or greedy drafting, for temperature-0 clients only "
+        f"(default {DEFAULT_SAMPLING})",
     )
     parser.add_argument(
         "--max-model-len",
