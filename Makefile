@@ -1,7 +1,8 @@
 # vllm_dspark: one command for the demo, one for the tests. Both set up what they need.
 #
 #   make demo   installs into .venv, then serves the trained pair (tests/data/pair) through vLLM's
-#               dspark speculator on CPU, BF16 and its FP8 build: greedy equality, acceptance, τ
+#               dspark speculator on CPU, BF16 and its FP8 build: acceptance, τ, and a PASS/FAIL
+#               verdict per drafter (fails on FAIL); vLLM's logs go to $(DEMO_OUT)/vllm.log
 #   make test   installs into .venv and runs the test suite (what CI runs)
 #   make test-mutation   the mutation check of the critical math (CI runs it too)
 #   make lint   ruff format --check and ruff check (CI runs it first)
