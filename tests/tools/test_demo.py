@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAIR = ROOT / "tests" / "data" / "pair"
 
 # The baseline's two prompts as serve_pair records them (greedy tokens with the top-2 ids and their
-# logprob gap per step). Gaps' median 1.1: the near-tie cutoff is 0.11, so only step 1 of prompt 1 ties.
+# logprob gap per step). Gaps' median 1.1: the near-tie cutoff is 0.11; only prompt 1's 2nd token ties.
 BASELINE = [
     {"tokens": [5, 6, 7, 8], "top2": [[5, 9], [6, 2], [7, 3], [8, 1]], "gaps": [1.5, 0.02, 2.0, 1.0]},
     {"tokens": [4, 4, 4, 4], "top2": [[4, 1], [4, 2], [4, 3], [4, 0]], "gaps": [1.0, 1.2, 0.8, 1.1]},
@@ -51,10 +51,10 @@ def _results(bf16_first_prompt: list[int]) -> dict[str, dict[str, Any]]:
     ("tokens", "greedy", "verdict", "status", "note"),
     [
         ([5, 6, 7, 8], "equal", "PASS", 0, ""),
-        # step 1 takes the other of the near-tied two; the text may part from there on
-        ([5, 2, 0, 0], "near-tie", "PASS", 0, "; prompt 1 near-tie at token 1 (top-2 logprob gap 0.0200 < cutoff 0.1100)"),
-        ([5, 6, 3, 8], "differs", "FAIL", 1, "; prompt 1 differs at token 2 (top-2 logprob gap 2.0000 >= cutoff 0.1100)"),
-        ([5, 7, 7, 8], "differs", "FAIL", 1, "; prompt 1 differs at token 1 (top-2 logprob gap 0.0200 < cutoff 0.1100, neither of the top 2)"),
+        # the 2nd token is the other of the near-tied two; the text may part from there on
+        ([5, 2, 0, 0], "near-tie", "PASS", 0, "; prompt 1 near-tie at generated token 2 (top-2 logprob gap 0.0200 < cutoff 0.1100)"),
+        ([5, 6, 3, 8], "differs", "FAIL", 1, "; prompt 1 differs at generated token 3 (top-2 logprob gap 2.0000 >= cutoff 0.1100)"),
+        ([5, 7, 7, 8], "differs", "FAIL", 1, "; prompt 1 differs at generated token 2 (top-2 logprob gap 0.0200 < cutoff 0.1100, neither of the top 2)"),
     ],
     ids=["equal", "near-tie", "mismatch", "mismatch-off-top2"],
 )  # fmt: skip

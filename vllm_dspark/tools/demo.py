@@ -80,8 +80,9 @@ def console_only(log: Path) -> Iterator[Callable[[str], None]]:
 
 
 def comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per speculative run: each prompt's greedy agreement with the baseline (near-tie rule), the
-    verdict (PASS unless a prompt differs) and vLLM's acceptance counts."""
+    """Per speculative run: each prompt's greedy agreement with the baseline (near-tie rule; where the
+    text parts, the generated token's 1-based position and the baseline's top-2 gap there), the verdict
+    (PASS unless a prompt differs) and vLLM's acceptance counts."""
     from vllm_dspark.cpu_serving.engines import acceptance, greedy_agreement, near_tie
 
     base = results["baseline"]["outputs"]
@@ -96,7 +97,7 @@ def comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 {
                     "prompt": i,
                     "greedy": greedy,
-                    "token": at if parted else None,
+                    "token": at + 1 if parted else None,
                     "gap": b["gaps"][at] if parted else None,
                 }
             )
@@ -126,7 +127,7 @@ def verdict(run: str, row: dict[str, Any]) -> str:
             ", neither of the top 2" if p["greedy"] == "differs" and p["gap"] < cutoff else ""
         )
         line += (
-            f"; prompt {p['prompt']} {p['greedy']} at token {p['token']} "
+            f"; prompt {p['prompt']} {p['greedy']} at generated token {p['token']} "
             f"(top-2 logprob gap {p['gap']:.4f} {relation} cutoff {cutoff:.4f}{off_top2})"
         )
     return line
