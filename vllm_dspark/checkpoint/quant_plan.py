@@ -433,6 +433,34 @@ def resolve(
     return QuantPlan(modules, encoding=encoding, warning=warning, stray=stray)
 
 
+def config_plan(config: K3DSparkConfig, quantization_config: Mapping[str, Any] | None) -> QuantPlan:
+    """The plan to build a drafter by before its tensors are read: the config's reading, lenient
+    (with :func:`resolve`'s warning) where entries that match nothing change it.
+
+    Modules vLLM cannot serve so are built as it can: norms and heads unquantized, a fused layer in
+    its quantized member's format. :func:`resolve` over the stored dtypes then refuses such a config.
+    """
+    if quantization_config is None:
+        return QuantPlan()
+    specs = checkpoint_modules(config)
+    parsed = _parse(quantization_config)
+    encoding = modelopt.ENCODING if isinstance(parsed, _ModelOptConfig) else "compressed-tensors"
+    start = getattr(config, "target_num_hidden_layers", None)
+    readings = {e: r for e in parsed.dead_entries(specs, start) if (r := _lenient(e)) is not None}
+    strict, lenient = (
+        {name: fmt for name, (fmt, _) in parsed.plan(specs, start, regexes).items()}
+        for regexes in ({}, {e: regex for e, (regex, _) in readings.items()})
+    )
+    warning = None
+    if lenient != strict:
+        warning = _rewrite_warning(readings, [n for s in specs for n in _names(s, start)])
+    modules = {s.name: lenient[s.name] for s in specs if lenient[s.name] and s.quantizable}
+    for members in fused_module_groups(lenient).values():
+        fmt = next((modules[m] for m in members if m in modules), None)
+        modules.update(dict.fromkeys(members, fmt) if fmt else {})
+    return QuantPlan(modules, encoding=encoding, warning=warning)
+
+
 def _rewrite_warning(readings: Mapping[str, tuple[str, str]], names: list[str]) -> Finding:
     """The warning that lenient ``readings`` (``{entry: (regex, rewrite)}``) served the build, naming the
     rewrite of each entry that matches one of ``names``."""

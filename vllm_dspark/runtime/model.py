@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,12 +38,18 @@ from vllm_dspark.checkpoint.layout import FUSED_GROUPS, checkpoint_modules
 from vllm_dspark.checkpoint.quant_plan import (
     QuantPlan,
     QuantPlanError,
+    config_plan,
     fused_scale_conflicts,
     is_stray,
+    resolve,
     vllm_quantization_config,
 )
-from vllm_dspark.checkpoint.store import resolve_checkpoint
-from vllm_dspark.compat import bind_upstream_context_kv, dspark_speculator_config_class
+from vllm_dspark.checkpoint.st_io import dtype_name
+from vllm_dspark.compat import (
+    bind_upstream_context_kv,
+    dspark_speculator_config_class,
+    runs_in_tree_k3_layers,
+)
 from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.finite import invalid_scale_count
 from vllm_dspark.ops.rope import rotate_pe
@@ -78,21 +83,9 @@ HF_TO_VLLM_MAPPER = WeightsMapper(
 _KV_A_TENSOR = re.compile(r"^layers\.(\d+)\.self_attn\.kv_a_proj_with_mqa\.(\w+)$")
 
 
-def _draft_dir(vllm_config: VllmConfig) -> Path:
-    """The drafter's local directory; a hub id is fetched here, as vLLM's loader would fetch it next."""
-    draft = vllm_config.speculative_config.draft_model_config
-    if Path(draft.model).is_dir():
-        return Path(draft.model)
-    from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
-
-    return Path(
-        download_weights_from_hf(
-            draft.model,
-            vllm_config.load_config.download_dir,
-            ["*.safetensors", "*.json"],
-            revision=draft.revision,
-        )
-    )
+def _drafter(vllm_config: VllmConfig) -> str:
+    """How findings name the drafter: as it was given to vLLM."""
+    return f"K3 DSpark drafter {vllm_config.speculative_config.draft_model_config.model}"
 
 
 def _draft_quant_config(
@@ -100,11 +93,13 @@ def _draft_quant_config(
 ) -> tuple[QuantizationConfig | None, QuantPlan]:
     """The one quantization config every draft layer uses, and the plan it was built from.
 
-    The plan is :func:`vllm_dspark.checkpoint.quant_plan.resolve`'s, from the stored tensors and config.json;
-    vLLM gets it as one normalized compressed-tensors config naming the quantized modules by their
-    runtime names (draft layers numbered after the target's), with ``packed_modules_mapping``.
-    ``vllm_config.quant_config`` is the draft's only inside ``load_dspark_model``; anywhere else it
-    is the target's, so the draft's own is built here, once, and handed to every layer.
+    The plan is :func:`vllm_dspark.checkpoint.quant_plan.config_plan`'s, from the quantization config
+    vLLM parsed with the drafter's config (no file is read here: the loader streams the tensors, and
+    ``load_weights`` checks them against the plan); vLLM gets it as one normalized compressed-tensors
+    config naming the quantized modules by their runtime names (draft layers numbered after the
+    target's), with ``packed_modules_mapping``. ``vllm_config.quant_config`` is the draft's only
+    inside ``load_dspark_model``; anywhere else it is the target's, so the draft's own is built
+    here, once, and handed to every layer.
     """
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig,
@@ -127,13 +122,12 @@ def _draft_quant_config(
                 "`vllm-dspark quantize --quant-format fp8`",
             )
         )
-    draft_dir = _draft_dir(vllm_config)
     try:
-        plan = resolve_checkpoint(draft_dir)
+        plan = config_plan(config, getattr(config, "quantization_config", None))
     except QuantPlanError as e:
-        raise FindingError(*within(f"K3 DSpark drafter {draft_dir}", e.findings)) from None
-    for warning in plan.warnings():
-        logger.warning("K3 DSpark drafter %s: %s", draft_dir, warning)
+        raise FindingError(*within(_drafter(vllm_config), e.findings)) from None
+    if plan.warning is not None:
+        logger.warning("%s: %s", _drafter(vllm_config), plan.warning)
     normalized = vllm_quantization_config(
         plan, config, start_layer_id=start_layer_id, prefix=model_prefix
     )
@@ -334,7 +328,7 @@ class K3DSparkModel(nn.Module):
             )
         # Every layer's kv_a_layernorm weight, stacked after loading by stack_context_kv_norms.
         self.register_buffer("_context_kv_norm_weight", None, persistent=False)
-        if current_platform.is_cuda():
+        if runs_in_tree_k3_layers():
             # The draft layers are vLLM's own MLA there, so its fused context-KV path runs unchanged.
             bind_upstream_context_kv(self, vllm_config.scheduler_config.max_num_batched_tokens)
 
@@ -435,6 +429,7 @@ class K3DSparkForCausalLM(nn.Module):
                 )
             )
         model_prefix = maybe_prefix(prefix, "model")
+        self._drafter = _drafter(vllm_config)
         self.quant_config, self._quant_plan = _draft_quant_config(
             vllm_config, self.config, model_prefix=model_prefix, start_layer_id=start_layer_id
         )
@@ -521,6 +516,8 @@ class K3DSparkForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors through :attr:`hf_to_vllm_mapper`, strictly.
 
+        The stored dtypes must be what the model was built for: where they and the quantization
+        config conflict, :func:`~vllm_dspark.checkpoint.quant_plan.resolve`'s finding is the error.
         A tensor with no parameter or loaded twice, a bad scale or a parameter left unfilled is a
         ``ValueError`` naming it. Returns the names of the parameters loaded (all of them).
         """
@@ -528,13 +525,18 @@ class K3DSparkForCausalLM(nn.Module):
         try:
             AutoWeightsLoader(self).load_weights(load.routed(weights))
         except (AssertionError, RuntimeError, ValueError) as e:
+            # A conflict between config and tensors is the cause of any loader error it brings.
+            load.stored_plan(self._quant_plan, rest=True)
             raise load.refusal(e) from None
+        self._quant_plan = load.stored_plan(self._quant_plan)
+        if (stray := self._quant_plan.stray_warning()) is not None:
+            logger.warning("%s: %s", self._drafter, stray)
         return load.complete()
 
     def process_weights_after_loading(self) -> None:
         # Runs after every layer's own post-load step; norms keep their weights (only linears are
         # repacked), so the context path can stack them now, outside any CUDA-graph capture.
-        if current_platform.is_cuda():
+        if runs_in_tree_k3_layers():
             self.model._build_fused_context_kv_metadata()
         else:
             self.model.stack_context_kv_norms()
@@ -566,6 +568,9 @@ class _StrictLoad:
         self.modules = dict(model.named_modules())
         self.params = dict(model.named_parameters())
         self.stored_modules = {spec.name for spec in checkpoint_modules(model.config)}
+        self.drafter = model._drafter
+        self.source: Iterator[tuple[str, torch.Tensor]] = iter(())
+        self.dtypes: dict[str, str] = {}  # every stored tensor's safetensors dtype, as streamed
         self.filled: dict[str, set[int | None]] = defaultdict(set)
         self.current: tuple[str, torch.Tensor, str] | None = None
         # NVFP4 global scales by checkpoint module, and the suffix they are stored under.
@@ -576,9 +581,11 @@ class _StrictLoad:
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``weights`` under their parameter names; one that fits no parameter shard once is refused."""
-        for name, tensor in weights:
+        self.source = iter(weights)
+        for name, tensor in self.source:
+            self.dtypes[name] = dtype_name(tensor.dtype) or str(tensor.dtype)
             if is_stray(name, self.config):
-                continue  # warned about once, when the plan was resolved
+                continue  # warned about once, when the plan is resolved
             module, _, param_name = name.rpartition(".")
             if module not in self.stored_modules:
                 raise _Refused(
@@ -614,6 +621,32 @@ class _StrictLoad:
                 self.filled[target].add(shard)
                 self.current = (name, tensor, target)
                 yield target, data
+
+    def stored_plan(self, built: QuantPlan, *, rest: bool = False) -> QuantPlan:
+        """:func:`resolve` over the streamed dtypes (``rest``: all), which must be the ``built`` plan."""
+        for name, tensor in self.source if rest else ():
+            self.dtypes[name] = dtype_name(tensor.dtype) or str(tensor.dtype)
+        try:
+            plan = resolve(
+                self.config, getattr(self.config, "quantization_config", None), self.dtypes
+            )
+        except QuantPlanError as e:
+            raise FindingError(*within(self.drafter, e.findings)) from None
+        stored = {name.rpartition(".")[0] for name in self.dtypes}
+        expected = {name: fmt for name, fmt in built.modules.items() if name in stored}
+        if plan.modules != expected:
+            # Only a config_plan read leniently can differ: the tensors follow the strict reading.
+            (module, _), *_ = sorted(set(plan.modules.items()) ^ set(expected.items()))
+            raise FindingError(
+                Finding(
+                    f"{module} is stored as quantization_config reads under compressed-tensors' "
+                    "rules, but the drafter was built reading its entries that match no module "
+                    "as suffixes or globs",
+                    "remove those entries, or write them as module names or 're:' regexes",
+                    self.drafter,
+                )
+            )
+        return plan
 
     def refusal(self, error: Exception) -> Exception:
         """``error`` from a weight loader, as one line naming the tensor that did not fit."""
