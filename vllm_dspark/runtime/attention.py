@@ -29,7 +29,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.platforms import current_platform
 from vllm.triton_utils import HAS_TRITON
 
-from vllm_dspark.compat import absorbed_weight, keep_weight_on_cpu
+from vllm_dspark.compat import absorbed_weight, keep_weight_on_cpu, runs_in_tree_k3_layers
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.ops.masks import paged_key_mask
 from vllm_dspark.ops.rope import rotate_pe, softmax_scale
@@ -285,7 +285,7 @@ def build_latent_attention(
         from vllm_dspark.runtime.attention_cpu import K3DSparkCPUMLA
 
         return K3DSparkCPUMLA(**_k3_mla_arguments(config, cache_config, quant_config, prefix))
-    if current_platform.is_cuda_alike():
+    if runs_in_tree_k3_layers():
         # Imported here: the Kimi-K3 MLA module pulls in CUDA kernels and cute-dsl.
         from vllm_dspark.runtime.attention_cuda import K3DSparkMLA
 
