@@ -5,11 +5,12 @@ Everything numeric comes from compressed-tensors (preset schemes, qparam helpers
 imported where it is used, as torch is: what a format stores (its :class:`TensorSpec`, in
 safetensors dtype names) is read without either, by ``vllm-dspark check``. A format also states its
 preset's weight args as plain data (checked against the preset in the tests), so the FP8 path plans,
-quantizes and writes its config without compressed-tensors; a format chooses its scheme, declares the tensors it stores per module, and recognises its own
-config groups and stored tensors. :data:`REGISTRY` holds them by name; every tool asks it, so a
-new format is one registered class. The math runs in row chunks (:func:`quantize_weight` and
-friends) so a large projection never needs the whole float32 weight as scratch. Which modules
-one quantizes is :mod:`vllm_dspark.checkpoint.quant_plan`'s; the ``quantization_config`` block,
+quantizes and writes its config without compressed-tensors; a format chooses its scheme, declares
+the tensors it stores per module, and recognises its own config groups and stored tensors.
+:data:`REGISTRY` holds them by name; every tool asks it, so a new format is one registered class.
+The math runs in row chunks (:func:`quantize_weight` and friends) so a large projection never needs
+the whole float32 weight as scratch. Which modules one quantizes is
+:mod:`vllm_dspark.checkpoint.quant_plan`'s; the ``quantization_config`` block,
 :mod:`vllm_dspark.checkpoint.quant_config`'s.
 """
 
