@@ -73,6 +73,13 @@ BENCHMARKS: dict[str, Benchmark] = {
         "check_startup",
         "`vllm-dspark check` start to finish on the trained pair's drafter",
     ),
+    "draft-bytes": Benchmark(
+        "benchmarks.draft_bytes",
+        "draft weight bytes per TP rank per draft step at TP 16, built on meta: plugin vs in-tree, context_proj sharded",
+        "draft_bytes",
+        "Draft weight bytes per rank per draft step at TP 16 (`k3`, built on the meta device)",
+        in_all=False,  # a size, not a speed: deterministic, outside the speed suite
+    ),
     "e2e-cpu": Benchmark(
         "benchmarks.e2e_cpu",
         "vLLM's dspark speculator end to end on CPU (Triton interpreter): counters, tok/s",

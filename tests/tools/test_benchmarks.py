@@ -33,6 +33,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "drift-speed": ["--preset", "tiny", "--batch-size", "4", "--pairs", "1", "--warmup", "0"],
     "register": ["--pairs", "1", "--warmup", "0"],
     "check": ["--pairs", "1", "--warmup", "0"],
+    "draft-bytes": ["--preset", "prod-geometry-small", "--tp", "4"],
     "drift": ["--preset", "tiny", "--blocks", "8"],
     "drift-positions": ["--preset", "tiny", "--blocks", "4"],
     "pair": [
@@ -237,6 +238,24 @@ def check_arithmetic(name: str, result: dict, *, committed: bool = True) -> None
             return {e: (m["counters"], m["output_tokens"]) for e, m in run.items()}
 
         assert result["counters_identical"] == all(counted(t) == counted(timed[0]) for t in timed)
+    elif name == "draft_bytes":
+        from benchmarks.draft_bytes import IN_TREE, MARKOV_W2, STEP_GROUPS, VARIANTS
+
+        for build in result["builds"].values():
+            per_rank = build["bytes_per_rank"]
+            assert set(per_rank) == set(VARIANTS)
+            for v in VARIANTS:
+                step = sum(per_rank[v][g] for g in STEP_GROUPS)
+                assert build["step_bytes"][v] == step
+                with_markov = step + result["positions"] * per_rank[v][MARKOV_W2]
+                assert build["step_with_markov_bytes"][v] == with_markov
+                _close(build["ratio_vs_in_tree"][v], step / build["step_bytes"][IN_TREE], v)
+                _close(
+                    build["ratio_with_markov_vs_in_tree"][v],
+                    with_markov / build["step_with_markov_bytes"][IN_TREE],
+                    v,
+                )
+                _close(build["context_proj_share"][v], per_rank[v]["context_proj"] / step, v)
     else:
         raise AssertionError(f"no arithmetic check for benchmark result {name!r}: add one")
 
