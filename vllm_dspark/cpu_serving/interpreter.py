@@ -17,7 +17,7 @@ import sys
 
 
 def enable() -> None:
-    """Select Triton's interpreter, a stand-in ``cpu`` Triton backend and Model Runner V2; idempotent."""
+    """Select Triton's interpreter (its gaps patched, below), a stand-in ``cpu`` backend and Model Runner V2; idempotent."""
     if "vllm.triton_utils.importing" in sys.modules and "cpu" not in _backends():
         raise RuntimeError("vllm_dspark.cpu_serving.enable() must run before vLLM is imported")
     os.environ["TRITON_INTERPRET"] = "1"
