@@ -65,9 +65,7 @@ def _group(name: str) -> str:
 
 
 def write_header_only_drafter(out_dir: Path, preset: str, build: str) -> Path:
-    """A drafter directory of ``preset``: config.json (with the FP8 recipe's quantization_config for
-    ``build == "fp8"``) and a model.safetensors whose header lists every tensor and whose data is a
-    hole (a sparse file): what a loader reads to build the model, without the weights."""
+    """A ``preset`` drafter directory of ``build`` whose model.safetensors lists every tensor and holds none."""
     from vllm_dspark.checkpoint.layout import FP8_RECIPE
     from vllm_dspark.checkpoint.presets import preset_config_json
     from vllm_dspark.checkpoint.quant_config import quantization_config
@@ -80,6 +78,7 @@ def write_header_only_drafter(out_dir: Path, preset: str, build: str) -> Path:
     config = K3DSparkConfig(**config_json)
     quantized: dict[str, str] = {}
     if build == "fp8":
+        # What `vllm-dspark quantize --quant-format fp8 --include-layers recipe` writes.
         config_json["quantization_config"] = quantization_config("fp8", FP8_RECIPE, config)
         quantized = declared(config, config_json["quantization_config"])
     out_dir.mkdir(parents=True)
@@ -89,6 +88,7 @@ def write_header_only_drafter(out_dir: Path, preset: str, build: str) -> Path:
         for key, spec in expected_tensors(config, quantized).items()
     ]
     plan = plan_file(entries)
+    # The header, then a hole of the data's size (a sparse file): what a loader reads to build.
     with open(out_dir / "model.safetensors", "wb") as f:
         f.write(len(plan.header).to_bytes(8, "little") + plan.header)
         f.truncate(plan.size)
