@@ -3,14 +3,19 @@
 
 vLLM finds :func:`register` through the ``vllm.general_plugins`` entry point and calls it in every
 process it starts (API server, engine core, workers, and the registry-inspection subprocess), so it
-is idempotent, imports nothing heavy and never touches CUDA.
+is idempotent, imports nothing heavy and never touches CUDA. vLLM calls it without a try, so on a
+vLLM the version policy refuses it logs one line and registers nothing instead of raising in every
+process (docs/compatibility.md#version-policy).
 """
 
 from __future__ import annotations
 
-from vllm_dspark.compat import check_vllm_version, fix_cpu_rotary_embedding_on_import
+import functools
+
+from vllm_dspark.compat import fix_cpu_rotary_embedding_on_import
 from vllm_dspark.fields import ARCHITECTURE as ARCHITECTURE
 from vllm_dspark.version import __version__ as __version__
+from vllm_dspark.version import gate
 
 MODEL_CLASS_PATH = "vllm_dspark.runtime.model:K3DSparkForCausalLM"
 
@@ -46,7 +51,8 @@ def register() -> None:
     from vllm.logger import init_logger
     from vllm.platforms import current_platform
 
-    check_vllm_version(vllm.__version__)
+    if not _admitted(vllm.__version__):
+        return
     request_amx_permission()
     if current_platform.is_cpu():
         fix_cpu_rotary_embedding_on_import()
@@ -64,3 +70,14 @@ def register() -> None:
         ARCHITECTURE,
         MODEL_CLASS_PATH,
     )
+
+
+@functools.cache
+def _admitted(version: str) -> bool:
+    """The version policy's verdict on vLLM ``version``, its line logged once per process."""
+    from vllm.logger import init_logger
+
+    admitted, line = gate(version)
+    if line is not None:
+        init_logger("vllm.vllm_dspark").warning(line)
+    return admitted

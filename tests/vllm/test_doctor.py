@@ -453,13 +453,43 @@ def test_target_geometry_must_match_the_drafter(drafter) -> None:
 # ----- vLLM version -----
 
 
-def test_unsupported_vllm_versions() -> None:
-    from vllm_dspark.version import VLLM_CPU_BUILD, VLLM_GPU_BUILDS
+def test_vllm_versions_under_the_policy(monkeypatch) -> None:
+    from vllm_dspark.version import ALLOW_UNVERIFIED_ENV, VLLM_CPU_BUILD, VLLM_GPU_BUILDS
 
+    monkeypatch.delenv(ALLOW_UNVERIFIED_ENV, raising=False)
     for _, version in (VLLM_CPU_BUILD, *VLLM_GPU_BUILDS):
         assert checks.check_vllm_version(version) == [], version
     [f] = checks.check_vllm_version("0.31.2")
-    assert f.severity == "error" and "0.31.2" in f.problem and "vllm_dspark[gpu]" in f.fix
+    assert f.severity == "error" and "0.31.2 is unsupported" in f.problem
+    assert "vllm==" in f.fix and ALLOW_UNVERIFIED_ENV not in f.fix
+    [f] = checks.check_vllm_version("0.34.1.dev12+g1234abc")
+    assert f.severity == "error" and "unverified" in f.problem
+    assert f"{ALLOW_UNVERIFIED_ENV}=1" in f.fix
+    monkeypatch.setenv(ALLOW_UNVERIFIED_ENV, "1")
+    [f] = checks.check_vllm_version("0.34.1.dev12+g1234abc")
+    assert f.severity == "warning" and "run on purpose" in f.problem
+
+
+@pytest.mark.vllm_api
+def test_hook_refuses_a_k3_drafter_on_a_vllm_the_policy_refuses(
+    tiny_mla_target, drafter_dir, monkeypatch
+) -> None:
+    """register() only logs on such a vLLM (it runs in every process); serving the drafter stops
+    at the speculative config, before the target loads, with the way to run it on purpose."""
+    import vllm
+
+    from vllm_dspark.version import ALLOW_UNVERIFIED_ENV
+
+    monkeypatch.delenv(ALLOW_UNVERIFIED_ENV, raising=False)
+    config = spec(model=str(drafter_dir), attention_backend="TRITON_MLA")
+    args = engine_args(tiny_mla_target, config)
+    monkeypatch.setattr(vllm, "__version__", "0.99.0rc1")
+    with pytest.raises(ValueError, match="vllm_dspark doctor") as e:
+        build_spec_config(args)
+    assert "vLLM 0.99.0rc1 is unverified" in str(e.value)
+    assert f"{ALLOW_UNVERIFIED_ENV}=1" in str(e.value)
+    monkeypatch.setenv(ALLOW_UNVERIFIED_ENV, "1")
+    assert build_spec_config(engine_args(tiny_mla_target, config)).method == "dspark"
 
 
 # ----- the CLI on tiny checkpoints -----
@@ -773,7 +803,11 @@ def test_cli_dispatch(capsys, drafter_dir) -> None:
 def engine_args(target: Path, speculative_config: dict[str, Any], **kwargs: Any) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
-    # Building EngineArgs loads vLLM's general plugins, whose register() installs the hook.
+    import vllm_dspark
+
+    # Building EngineArgs loads vLLM's general plugins, whose register() installs the hook, but
+    # only once per process: a test that loaded them before arg_utils was imported got no hook.
+    vllm_dspark.register()
     return EngineArgs(
         model=str(target),
         skip_tokenizer_init=True,

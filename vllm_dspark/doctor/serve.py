@@ -13,6 +13,7 @@ from vllm_dspark.compat import wrap_create_speculative_config
 from vllm_dspark.doctor.checks import (
     check_checkpoint_findings,
     check_drafter_config,
+    check_vllm_version,
     diagnose,
     is_k3_drafter,
 )
@@ -121,13 +122,15 @@ def _run_hook_checks(
     target = (
         target_model_config.hf_text_config.to_dict() if target_model_config is not None else None
     )
-    findings = diagnose(
+    schema = vllm_schema()
+    # register() logs and skips on a vLLM the version policy refuses; a K3 drafter stops here.
+    findings = check_vllm_version(schema.version) + diagnose(
         spec,
         drafter=drafter,
         engine=engine_facts(engine_args),
         machine=serving_machine(),
         target=target,
-        schema=vllm_schema(),
+        schema=schema,
     )
     if path is not None and not check_drafter_config(drafter):
         # The checkpoint itself (shards, quantization plan, tensors) from headers and scales only.
