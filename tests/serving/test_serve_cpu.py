@@ -80,12 +80,16 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(
-    wheel_venv: Path, dspark_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
+def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The server's console (stdout and stderr), in a directory outside the checkout."""
+    return tmp_path_factory.mktemp("serve_cpu") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(wheel_venv: Path, dspark_models: dict[str, Path], server_log: Path) -> Iterator[str]:
     port = _free_port()
-    workdir = tmp_path_factory.mktemp("serve_cpu")  # outside the checkout: nothing imports from it
-    log_path = workdir / "server.log"
+    workdir = server_log.parent  # outside the checkout: nothing imports from it
+    log_path = server_log
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the server as users run it
     argv = [
@@ -124,6 +128,13 @@ def server(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_the_server_logs_that_the_plugin_overrides_the_in_tree_drafter(
+    server: str, server_log: Path
+) -> None:
+    # vLLM's CLI sets up its logging before it loads plugins, so register()'s INFO line is seen.
+    assert "overrides vLLM's in-tree K3 DSpark drafter" in server_log.read_text()
 
 
 def test_the_server_runs_the_installed_wheel_not_the_checkout(wheel_venv: Path, tmp_path) -> None:
