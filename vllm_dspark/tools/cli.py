@@ -143,7 +143,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "draft": ("vllm_dspark.tools.draft", "draft one block per request with the reference drafter"),
     "quantize": (
         "vllm_dspark.tools.quantize",
-        "quantize a drafter to FP8 / MXFP4 / NVFP4 weight-only (compressed-tensors)",
+        "quantize a drafter: FP8 / MXFP4 / NVFP4 weight-only, W8A8 FP8, NVFP4 W4A4 (compressed-tensors or ModelOpt)",
     ),
     "check": (
         "vllm_dspark.tools.check",
