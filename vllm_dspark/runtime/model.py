@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
     LinearBase,
     MergedColumnParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -177,6 +178,14 @@ def _log_linear_kernels(model: nn.Module) -> None:
         )
 
 
+def shards_context_proj(config: K3DSparkConfig, fmt: str | None) -> bool:
+    """Whether ``context_proj`` (quant format ``fmt``, None: BF16) splits its rows over the TP ranks."""
+    # Each rank's rows must hold whole weight-scale blocks: vLLM refuses a block-FP8 split that cuts
+    # one (7168 / 16 = 448 rows), so that build keeps context_proj whole at TP 16 (TP 8 splits it).
+    rows = 1 if fmt is None else formats.get(fmt).row_block
+    return config.hidden_size % (get_tensor_model_parallel_world_size() * rows) == 0
+
+
 def _grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """vLLM's RMSNorm math (fp32 statistics) for ``x [T, L, D]`` with one weight row per layer ``[L, D]``."""
     xf = x.float()
@@ -264,6 +273,7 @@ class K3DSparkModel(nn.Module):
         quant_config: QuantizationConfig | None,
         start_layer_id: int,
         prefix: str,
+        context_proj_format: str | None,
     ) -> None:
         super().__init__()
         c = config
@@ -279,13 +289,17 @@ class K3DSparkModel(nn.Module):
             if c.fc_norm
             else None
         )
-        self.context_proj = ReplicatedLinear(
+        # Column-parallel with its output all-gathered, as vLLM's specialized drafter builds it: each
+        # rank streams 1/TP of the largest draft weight (same dot products, full K per output column).
+        self.context_proj = ColumnParallelLinear(
             c.target_hidden_size * c.num_target_layers,
             c.hidden_size,
             bias=False,
+            gather_output=True,
             return_bias=False,
             quant_config=quant_config,
             prefix=maybe_prefix(prefix, "context_proj"),
+            disable_tp=not shards_context_proj(c, context_proj_format),
         )
         self.context_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         # Draft layers are numbered after the target's, so their attention-layer names don't
@@ -439,6 +453,7 @@ class K3DSparkForCausalLM(nn.Module):
             quant_config=self.quant_config,
             start_layer_id=start_layer_id,
             prefix=model_prefix,
+            context_proj_format=self._quant_plan.modules.get("context_proj"),
         )
         # The target's lm_head, aliased by load_dspark_model. No placeholder: it would allocate a
         # full-vocabulary matrix only to be thrown away.
