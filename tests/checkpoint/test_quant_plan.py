@@ -9,6 +9,7 @@ hook inside vLLM's ``EngineArgs``) and vLLM's dspark loader must agree on every 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -27,7 +28,13 @@ from vllm_dspark.checkpoint.layout import (
     runtime_name,
     tensor_shapes,
 )
-from vllm_dspark.checkpoint.store import load_config, load_drafter_state_dict, resolve_checkpoint
+from vllm_dspark.checkpoint.store import (
+    load_config,
+    load_drafter_state_dict,
+    read_config_json,
+    read_quantization_config,
+    resolve_checkpoint,
+)
 from vllm_dspark.checkpoint_tools.quantize import quantize_checkpoint
 from vllm_dspark.doctor import checks
 from vllm_dspark.findings import Finding
@@ -70,6 +77,13 @@ def _doctor(model_dir: Path) -> list[Finding]:
     return checks.check_checkpoint_findings(model_dir)
 
 
+def _assert_config_plan_is_the_resolvers(model_dir: Path) -> None:
+    """The model class's plan (config alone, before any tensor) is the one check finds in the tensors."""
+    qc = read_quantization_config(model_dir, read_config_json(model_dir))
+    said = quant_plan.config_plan(load_config(model_dir), qc)
+    assert said == dataclasses.replace(resolve_checkpoint(model_dir), stray=())
+
+
 # ----- served and warned: check, doctor, vLLM -----
 
 
@@ -79,6 +93,7 @@ def test_check_and_doctor_pass_every_servable_encoding(encodings, name: str) -> 
     report = check_checkpoint(model_dir)
     assert report.ok, report.problems
     assert set(report.quantized_modules) == _recipe_modules(model_dir)
+    _assert_config_plan_is_the_resolvers(model_dir)
     findings = _doctor(model_dir)
     assert not [f for f in findings if f.severity == "error"]
     if name in WARNED:
@@ -295,6 +310,8 @@ def test_globs_unanchored_regexes_and_suffixes_are_served_with_their_rewrite(
     plan = quant_plan.resolve(config, _with_targets(qc, [*targets, entry]), _dtypes(config, recipe))
     assert plan.modules == recipe and plan.encoding == "compressed-tensors"
     assert plan.warning.fix == f"rewrite them: {json.dumps(entry)} -> {json.dumps(rewrite)}"
+    # The model class reads the same config leniently before any tensor: the same plan and warning.
+    assert quant_plan.config_plan(config, _with_targets(qc, [*targets, entry])) == plan
     # The rewrite is read by compressed-tensors' rules as meant: no warning any more.
     assert (
         quant_plan.resolve(
@@ -325,6 +342,10 @@ def test_fused_layer_names_match_their_checkpoint_modules(tiny_fp8) -> None:
     ]
     plan = quant_plan.resolve(config, _with_targets(qc, exact, []), _dtypes(config, recipe))
     assert plan.modules == recipe
+    assert quant_plan.config_plan(config, _with_targets(qc, exact, [])) == plan
+    # A config naming one member of a fused layer builds the whole fused layer in its format.
+    halves = [t for t in targets if "gate_up" not in t] + ["re:.*gate_proj$"]
+    assert quant_plan.config_plan(config, _with_targets(qc, halves, [])).modules == recipe
     # context_kv_proj names every layer's kv_a_proj_with_mqa, which is stored BF16: a conflict.
     with pytest.raises(
         quant_plan.QuantPlanError,
@@ -512,6 +533,8 @@ def test_a_config_without_the_targets_depth_reads_checkpoint_names(tiny_fp8) -> 
 def test_declared_reads_the_config_alone(tiny_fp8) -> None:
     config, qc, recipe = tiny_fp8
     assert quant_plan.declared(config, qc) == recipe
+    assert quant_plan.config_plan(config, qc) == quant_plan.QuantPlan(recipe)
+    assert quant_plan.config_plan(config, None) == quant_plan.QuantPlan()
     runtime = [f"layers.{config.target_num_hidden_layers}.mlp.down_proj"]
     assert quant_plan.declared(config, _with_targets(qc, runtime, [])) == {
         "layers.0.mlp.down_proj": "fp8"
@@ -650,6 +673,7 @@ def test_modelopt_builds_check_doctor_and_resolver_agree(
         s.name for s in checkpoint_modules(config) if s.quantizable and s.kind not in leave_out
     }
     assert plan.encoding == "modelopt" and plan.modules == dict.fromkeys(expected, fmt)
+    _assert_config_plan_is_the_resolvers(model_dir)
     report = check_checkpoint(model_dir)
     assert report.ok, report.problems
     assert report.quantized_modules == plan.modules and "ModelOpt" in report.render()
