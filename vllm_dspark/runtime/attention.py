@@ -7,7 +7,8 @@ CUDA/ROCm: vLLM's own Kimi-K3 ``MultiHeadLatentAttention`` (:mod:`vllm_dspark.ru
 Runner V2 under its interpreter): the same layer with torch stand-ins for the CUDA decode epilogue
 (:mod:`vllm_dspark.runtime.attention_cpu`). Without Triton, :class:`TorchLatentAttention` takes its place for
 loading and testing outside an engine: same submodule names, same math in torch over a paged latent
-cache of the same layout, bound with :meth:`TorchLatentAttention.bind_kv_cache`.
+cache of the same layout (model dtype, or FP8 E4M3 with the layer's KV-cache scale), bound with
+:meth:`TorchLatentAttention.bind_kv_cache`.
 """
 
 from __future__ import annotations
@@ -29,10 +30,19 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.platforms import current_platform
 from vllm.triton_utils import HAS_TRITON
 
-from vllm_dspark.compat import absorbed_weight, keep_weight_on_cpu, runs_in_tree_k3_layers
+from vllm_dspark.compat import (
+    ATTENTION_K_SCALE,
+    absorbed_weight,
+    keep_weight_on_cpu,
+    kv_cache_scale,
+    runs_in_tree_k3_layers,
+)
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.ops.masks import paged_key_mask
 from vllm_dspark.ops.rope import rotate_pe, softmax_scale
+
+# The FP8 cache dtypes vLLM's CUDA MLA inserts write as E4M3 ("fp8" is E4M3 on CUDA).
+FP8_E4M3_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 if TYPE_CHECKING:
     from vllm.config import CacheConfig
@@ -78,7 +88,8 @@ class TorchLatentAttention(nn.Module):
     The stand-in for ``MultiHeadLatentAttention`` where that layer cannot run (see the module
     docstring). Keys and values are up-projected from the cached latents with ``kv_b_proj`` (the
     "naive" MLA form) instead of absorbing it into the query, but with the weight absorption uses:
-    dequantized, its input never quantized, as on a GPU.
+    dequantized, its input never quantized, as on a GPU. An FP8 cache holds ``latent / k_scale`` in
+    E4M3, as vLLM's ``concat_and_cache_mla`` writes it.
     """
 
     def __init__(
@@ -90,12 +101,13 @@ class TorchLatentAttention(nn.Module):
         prefix: str,
     ) -> None:
         super().__init__()
-        if cache_config.cache_dtype != "auto":
+        if cache_config.cache_dtype not in ("auto", *FP8_E4M3_CACHE_DTYPES):
             raise FindingError(
                 Finding(
                     f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported by the K3 DSpark drafter's "
-                    f"{current_platform.device_name} attention (a plain-torch fallback with a model-dtype cache)",
-                    "use kv_cache_dtype='auto', or serve on a GPU",
+                    f"{current_platform.device_name} attention (a plain-torch fallback with a model-dtype "
+                    "or FP8 E4M3 cache)",
+                    "use kv_cache_dtype='auto' or 'fp8', or serve on a GPU",
                 )
             )
         c = config
@@ -153,6 +165,11 @@ class TorchLatentAttention(nn.Module):
             prefix=f"{prefix}.o_proj",
         )
         self.kv_cache = torch.tensor([])
+        # Where vLLM's attention layers keep them: the in-tree context-KV path reads both.
+        self.kv_cache_dtype = cache_config.cache_dtype
+        self.register_buffer(
+            ATTENTION_K_SCALE.reads, torch.tensor(1.0, dtype=torch.float32), persistent=False
+        )
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Use ``kv_cache [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` as this layer's pages."""
@@ -160,6 +177,11 @@ class TorchLatentAttention(nn.Module):
             raise ValueError(
                 f"{self.layer_name}: a latent KV cache is [num_blocks, block_size, {self.head_size}], "
                 f"got {tuple(kv_cache.shape)}"
+            )
+        if self.kv_cache_dtype != "auto" and kv_cache.element_size() != 1:
+            raise ValueError(
+                f"{self.layer_name}: a {self.kv_cache_dtype} latent KV cache has 1-byte elements, "
+                f"got {kv_cache.dtype}"
             )
         self.kv_cache = kv_cache
 
@@ -174,10 +196,25 @@ class TorchLatentAttention(nn.Module):
             # Profiling and dummy runs happen before the cache is allocated.
             return
         valid = slot_mapping >= 0
-        latent = torch.cat([kv_c_normed, k_pe.squeeze(1)], dim=-1)
-        self.kv_cache.view(-1, self.head_size)[slot_mapping[valid]] = latent[valid].to(
-            self.kv_cache.dtype
-        )
+        latent = torch.cat([kv_c_normed, k_pe.squeeze(1)], dim=-1)[valid]
+        if self.kv_cache_dtype != "auto":
+            # As vLLM's fp8 insert: x / k_scale in fp32, saturated to E4M3's finite range; vLLM
+            # allocates FP8 pages as bytes.
+            e4m3 = torch.finfo(torch.float8_e4m3fn)
+            latent = (
+                (latent.float() / kv_cache_scale(self))
+                .clamp(e4m3.min, e4m3.max)
+                .to(torch.float8_e4m3fn)
+                .view(self.kv_cache.dtype)
+            )
+        self.kv_cache.view(-1, self.head_size)[slot_mapping[valid]] = latent.to(self.kv_cache.dtype)
+
+    def load_latent(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The latents ``[len(slots), kv_lora_rank + rope]`` at ``slots``, dequantized to ``dtype``."""
+        latent = self.kv_cache.view(-1, self.head_size)[slots]
+        if self.kv_cache_dtype == "auto":
+            return latent.to(dtype)
+        return (latent.view(torch.float8_e4m3fn).float() * kv_cache_scale(self)).to(dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q_c, kv_c, k_pe = self.fused_qkv_a_proj(hidden_states)[0].split(
@@ -220,10 +257,8 @@ class TorchLatentAttention(nn.Module):
             start, end = int(meta.query_start_loc[r]), int(meta.query_start_loc[r + 1])
             pos = torch.arange(int(meta.seq_lens[r]), device=cache.device)
             slots = meta.block_table[r, pos // block_size].long() * block_size + pos % block_size
-            kv_c, pe = (
-                cache[slots]
-                .to(q_nope.dtype)
-                .split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            kv_c, pe = self.load_latent(slots, q_nope.dtype).split(
+                [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
             )
             if self._kv_b_weight is None:
                 self._kv_b_weight = absorbed_weight(self.kv_b_proj, q_nope.dtype)
