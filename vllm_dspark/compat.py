@@ -569,11 +569,16 @@ def fix_cpu_rotary_embedding_on_import() -> None:
 
     Importing that module costs most of a second, which ``register()`` must not add to every process.
     """
-    module = CPU_ROTARY_EMBEDDING.target.partition(":")[0]
+    after_import(CPU_ROTARY_EMBEDDING, fix_cpu_rotary_embedding)
+
+
+def after_import(touchpoint: Touchpoint, action: Callable[[], None]) -> None:
+    """``action()`` now if ``touchpoint``'s module is loaded, else right after it first loads (once)."""
+    module = touchpoint.target.partition(":")[0]
     if module in sys.modules:
-        fix_cpu_rotary_embedding()
-    elif not any(getattr(f, "module", None) == module for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(module, fix_cpu_rotary_embedding))
+        action()
+    elif not any(getattr(f, "action", None) is action for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(module, action))
 
 
 def k3_mla_backend(backend: type) -> contextlib.AbstractContextManager[Any]:

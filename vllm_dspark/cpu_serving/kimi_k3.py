@@ -10,8 +10,6 @@ this at every interpreter's start.
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Callable
 
 from vllm_dspark import compat
 
@@ -20,18 +18,9 @@ def enable() -> None:
     """Install the Kimi-K3 emulations, each as its vLLM module is imported; idempotent."""
     # The GEMM + all-reduce fusion imports cutlass' CuTe DSL, which no CPU build has.
     os.environ[compat.KIMI_K3_GEMM_AR.target.partition(":")[2]] = "0"
-    _after_import(compat.CPU_MLA_BLOCK_SIZE, _hybrid_block_size)
-    _after_import(compat.KDA_GATHER_INITIAL_STATES, _kda_ops)
-    _after_import(compat.K3_MLA_PREFILL_EPILOGUE, _mla_ops)
-
-
-def _after_import(touchpoint: compat.Touchpoint, action: Callable[[], None]) -> None:
-    """``action()`` now if ``touchpoint``'s module is loaded, else right after it loads (once)."""
-    module = touchpoint.target.partition(":")[0]
-    if module in sys.modules:
-        action()
-    elif not any(getattr(f, "action", None) is action for f in sys.meta_path):
-        sys.meta_path.insert(0, compat._AfterImport(module, action))
+    compat.after_import(compat.CPU_MLA_BLOCK_SIZE, _hybrid_block_size)
+    compat.after_import(compat.KDA_GATHER_INITIAL_STATES, _kda_ops)
+    compat.after_import(compat.K3_MLA_PREFILL_EPILOGUE, _mla_ops)
 
 
 def _replace(touchpoint: compat.Touchpoint, new: object) -> None:
@@ -53,7 +42,7 @@ def _hybrid_block_size() -> None:
 
 def _kda_ops() -> None:
     """The KDA layer's state ops in torch."""
-    from vllm_dspark.cpu_serving import kimi_k3_ops as ops
+    import vllm_dspark.cpu_serving.kimi_k3_ops as ops
 
     _replace(compat.KDA_GATHER_INITIAL_STATES, ops.gather_initial_states)
     _replace(compat.KDA_CONV1D_UPDATE, ops.causal_conv1d_update)
@@ -61,7 +50,7 @@ def _kda_ops() -> None:
 
 def _mla_ops() -> None:
     """The Kimi-K3 MLA layer's fused CUDA epilogues, and vLLM's latent gather, in torch."""
-    from vllm_dspark.cpu_serving import kimi_k3_ops as ops
+    import vllm_dspark.cpu_serving.kimi_k3_ops as ops
 
     _replace(compat.K3_MLA_PREFILL_EPILOGUE, ops.key_concat_cache_insert)
     _replace(compat.K3_MLA_CONTEXT_KV_CONCAT, ops.kv_concat)
