@@ -321,6 +321,20 @@ def test_globs_unanchored_regexes_and_suffixes_are_served_with_their_rewrite(
     )
 
 
+def test_config_plan_names_a_rewrite_that_matches_at_the_runtime_layer_numbers(tiny_fp8) -> None:
+    config, qc, recipe = tiny_fp8
+    targets = [t for t in qc["config_groups"]["group_0"]["targets"] if "down_proj" not in t]
+    last = config.target_num_hidden_layers + config.num_hidden_layers - 1
+    entry = rf"re:{last}\.mlp\.down_proj$"  # unanchored: matches only the last layer's runtime name
+    plan = quant_plan.config_plan(config, _with_targets(qc, [*targets, entry]))
+    first = "layers.0.mlp.down_proj"
+    assert plan.modules == {k: v for k, v in recipe.items() if k != first}
+    assert (
+        plan.warning.fix
+        == f"rewrite them: {json.dumps(entry)} -> {json.dumps(f're:.*(?:{entry[3:]})')}"
+    )
+
+
 def test_fused_layer_names_match_their_checkpoint_modules(tiny_fp8) -> None:
     config, qc, recipe = tiny_fp8
     targets = [
@@ -528,6 +542,7 @@ def test_a_config_without_the_targets_depth_reads_checkpoint_names(tiny_fp8) -> 
     assert not hasattr(shallow, "target_num_hidden_layers")
     assert quant_plan.resolve(shallow, qc, _dtypes(config, recipe)).modules == recipe
     assert quant_plan.declared(shallow, qc) == recipe
+    assert quant_plan.config_plan(shallow, qc) == quant_plan.QuantPlan(recipe)
 
 
 def test_declared_reads_the_config_alone(tiny_fp8) -> None:
