@@ -100,6 +100,7 @@ def write_header_only_drafter(out_dir: Path, preset: str, build: str) -> Path:
 def build_on_meta(variant: str, draft_dir: Path) -> nn.Module:
     """``variant``'s ``K3DSparkForCausalLM`` built by its constructor for ``draft_dir`` at TP 1, on meta."""
     from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     from vllm_dspark.checkpoint.save import write_target_config
@@ -124,12 +125,19 @@ def build_on_meta(variant: str, draft_dir: Path) -> nn.Module:
                 del os.environ["VLLM_DSPARK_DOCTOR"]
             else:
                 os.environ["VLLM_DSPARK_DOCTOR"] = doctor
-    with set_current_vllm_config(vllm_config), configs_without_an_engine():
-        ensure_single_process_runtime()
-        # As vLLM's loader builds a model: parameters in the model's dtype, on the target device.
-        draft_dtype = vllm_config.speculative_config.draft_model_config.dtype
-        with set_default_torch_dtype(draft_dtype), torch.device("meta"):
-            return K3DSparkForCausalLM(vllm_config=vllm_config)
+    # vLLM caches each RoPE by its parameters, not its device: a meta one must not outlive this build
+    # (the tests run this in the process of other tests, which would get its meta cos/sin cache).
+    ropes = dict(rotary_embedding._ROPE_DICT)
+    try:
+        with set_current_vllm_config(vllm_config), configs_without_an_engine():
+            ensure_single_process_runtime()
+            # As vLLM's loader builds a model: parameters in the model's dtype, on the target device.
+            draft_dtype = vllm_config.speculative_config.draft_model_config.dtype
+            with set_default_torch_dtype(draft_dtype), torch.device("meta"):
+                return K3DSparkForCausalLM(vllm_config=vllm_config)
+    finally:
+        rotary_embedding._ROPE_DICT.clear()
+        rotary_embedding._ROPE_DICT.update(ropes)
 
 
 def split_dim(module: nn.Module, param: nn.Parameter) -> int | None:
