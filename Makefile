@@ -4,6 +4,7 @@
 #               dspark speculator on CPU, BF16 and its FP8 build: acceptance, τ, and a PASS/FAIL
 #               verdict per drafter (fails on FAIL); vLLM's logs go to $(DEMO_OUT)/vllm.log
 #   make test   installs into .venv and runs the test suite (what CI runs)
+#   make test-long   the multi-process end-to-end runs (TP 4, two "nodes"; CI runs them too)
 #   make test-mutation   the mutation check of the critical math (CI runs it too)
 #   make lint   ruff format --check and ruff check (CI runs it first)
 #   make test-vllm VLLM=0.34.0   the import-level suite against one CUDA vLLM wheel (test-vllm-all: each)
@@ -27,7 +28,7 @@ DEMO_OUT ?= demo-out
 # where it does not (a closed network), pip's own configuration must provide that torch.
 TORCH_INDEX ?= $(shell $(PYTHON) -c 'import socket; socket.getaddrinfo("download.pytorch.org", 443); print("https://download.pytorch.org/whl/cpu")' 2>/dev/null)
 
-.PHONY: install lint test test-mutation test-vllm test-vllm-all demo clean
+.PHONY: install lint test test-long test-mutation test-vllm test-vllm-all demo clean
 
 $(VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +46,10 @@ lint: install
 
 test: install
 	$(TEST_ENV) $(VPY) -m pytest -q
+
+# End-to-end runs with several vLLM processes (TP 4 over gloo, two "nodes"), too long for `make test`.
+test-long: install
+	$(TEST_ENV) $(VPY) -m pytest -q -m long
 
 # The mutation check of the critical math (mutmut, ~10 min): prints how many mutants the suite kills.
 test-mutation: install
