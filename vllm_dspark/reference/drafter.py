@@ -33,6 +33,7 @@ from vllm_dspark.config import K3DSparkConfig
 from vllm_dspark.findings import Finding, FindingError
 from vllm_dspark.finite import require_finite
 from vllm_dspark.ops.act_quant import ActScheme
+from vllm_dspark.ops.kv_fp8 import latent_round_trip
 from vllm_dspark.ops.masks import block_key_mask
 from vllm_dspark.ops.rope import RotaryEmbedding, softmax_scale
 from vllm_dspark.ops.sampling import markov_rollout
@@ -85,6 +86,10 @@ class RMSNorm(nn.Module):
 class MultiHeadLatentAttention(nn.Module):
     """K3 MLA with q-LoRA and RoPE on the 64-wide ``pe`` parts, attending over context and block latents."""
 
+    # An fp8 KV cache's k_scale: every latent attended over (context and block) is read back from
+    # E4M3 pages, as vLLM's fp8 MLA cache serves them. None: the latents stay in the compute dtype.
+    kv_scale: torch.Tensor | None = None
+
     def __init__(self, config: K3DSparkConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         c = config
@@ -133,6 +138,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_pe = self.rope(q_pe, positions)
         latents = torch.cat([context_latent.to(x.dtype), self.latent(x, positions)], dim=1)
+        if self.kv_scale is not None:
+            latents = latent_round_trip(latents, self.kv_scale)
         attend = self._attend_absorbed if absorbed else self._attend_naive
         out = attend(q_nope, q_pe, latents, key_mask)  # [B, N, heads, v_head_dim]
         return self.o_proj(out.flatten(-2))
@@ -393,6 +400,16 @@ class ReferenceDrafter(nn.Module):
         for module, (scheme, scale) in quantizers.items():
             linear = self.get_submodule(module)
             linear.input_quant = (scheme, None if scale is None else scale.to(linear.weight.device))
+
+    def use_fp8_kv_cache(self, k_scales: torch.Tensor | None) -> None:
+        """Read every layer's latents from an FP8 E4M3 cache with ``k_scales [L]`` (None: model dtype)."""
+        if k_scales is not None and tuple(k_scales.shape) != (len(self.layers),):
+            raise ValueError(
+                f"an fp8 KV cache takes one k_scale per draft layer ({len(self.layers)}), got shape "
+                f"{tuple(k_scales.shape)}"
+            )
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.kv_scale = None if k_scales is None else k_scales[i].float()
 
     # ----- the hooks vLLM's speculator calls, as pure tensor functions -----
 

@@ -38,6 +38,7 @@ from vllm_dspark.compat import (
     runs_in_tree_k3_layers,
 )
 from vllm_dspark.findings import Finding, FindingError
+from vllm_dspark.ops.kv_fp8 import dequantize_latent, quantize_latent
 from vllm_dspark.ops.masks import paged_key_mask
 from vllm_dspark.ops.rope import rotate_pe, softmax_scale
 
@@ -198,15 +199,8 @@ class TorchLatentAttention(nn.Module):
         valid = slot_mapping >= 0
         latent = torch.cat([kv_c_normed, k_pe.squeeze(1)], dim=-1)[valid]
         if self.kv_cache_dtype != "auto":
-            # As vLLM's fp8 insert: x / k_scale in fp32, saturated to E4M3's finite range; vLLM
-            # allocates FP8 pages as bytes.
-            e4m3 = torch.finfo(torch.float8_e4m3fn)
-            latent = (
-                (latent.float() / kv_cache_scale(self))
-                .clamp(e4m3.min, e4m3.max)
-                .to(torch.float8_e4m3fn)
-                .view(self.kv_cache.dtype)
-            )
+            # As vLLM's fp8 insert; vLLM allocates FP8 pages as bytes.
+            latent = quantize_latent(latent, kv_cache_scale(self)).view(self.kv_cache.dtype)
         self.kv_cache.view(-1, self.head_size)[slot_mapping[valid]] = latent.to(self.kv_cache.dtype)
 
     def load_latent(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -214,7 +208,7 @@ class TorchLatentAttention(nn.Module):
         latent = self.kv_cache.view(-1, self.head_size)[slots]
         if self.kv_cache_dtype == "auto":
             return latent.to(dtype)
-        return (latent.view(torch.float8_e4m3fn).float() * kv_cache_scale(self)).to(dtype)
+        return dequantize_latent(latent, kv_cache_scale(self), dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q_c, kv_c, k_pe = self.fused_qkv_a_proj(hidden_states)[0].split(
