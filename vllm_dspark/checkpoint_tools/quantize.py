@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from vllm_dspark.checkpoint import formats, modelopt, quant_config
+from vllm_dspark.checkpoint import formats, kv_scales, modelopt, quant_config
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
     REPORT_NAME,
@@ -59,6 +59,7 @@ from vllm_dspark.safety import (
 )
 
 if TYPE_CHECKING:
+    from vllm_dspark.checkpoint_tools.kv_calibration import Calibration
     from vllm_dspark.fields import DrafterFields
 
 EXPORTS = ("compressed-tensors", modelopt.ENCODING)  # the layouts --export writes
@@ -459,11 +460,16 @@ def quantize_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
     export: str = "compressed-tensors",
+    kv_cache_scheme: str | None = None,
+    kv_calibration: str | Path | None = None,
 ) -> dict[str, Any]:
     """Quantize the drafter in ``model_dir`` into ``output_dir``; returns the report dict.
 
     ``export`` is the layout written: compressed-tensors', or ModelOpt's ("modelopt": its tensor names,
-    scales and config, for fp8-static, fp8-dynamic, nvfp4-w4a4 and nvfp4).
+    scales and config, for fp8-static, fp8-dynamic, nvfp4-w4a4 and nvfp4). ``kv_cache_scheme="fp8"``
+    also writes each draft layer's static FP8 KV-cache scale, calibrated from ``kv_calibration`` (a
+    target model directory or an aux-state file; default: the target beside ``model_dir``, as
+    ``train-pair`` lays the pair out).
 
     Raises :class:`Refusal` (a ``ValueError``) for anything it will not do, before writing. The
     output is assembled in a staging directory next to ``output_dir`` and moved into place only
@@ -480,6 +486,7 @@ def quantize_checkpoint(
     if export not in EXPORTS:
         raise Refusal(f"--export must be one of {', '.join(EXPORTS)}, not {export!r}")
     plan = _plan(model_dir, fmt, include_layers, export)
+    calibration = _kv_calibration(model_dir, kv_cache_scheme, kv_calibration, export, progress)
     threads = torch.get_num_threads()
     try:
         # Workers split the cores between them instead of each fanning out over all of them.
@@ -494,8 +501,67 @@ def quantize_checkpoint(
             with torch.compiler.set_stance("force_eager") if eager else nullcontext():
                 report = _write_quantized(plan, staging, fmt, device, workers, progress)
             others.result()
+            if calibration is not None:
+                report["kv_cache"] = _write_kv_scales(staging, calibration)
             (staging / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2) + "\n")
             (staging / f"{REPORT_NAME}.md").write_text(_report_markdown(report))
     finally:
         torch.set_num_threads(threads)
     return report
+
+
+def _kv_calibration(
+    model_dir: Path,
+    scheme: str | None,
+    source: str | Path | None,
+    export: str,
+    progress: bool,
+) -> Calibration | None:
+    """The draft layers' calibrated KV-cache scales ``--kv-cache-scheme`` asks for, before anything is written."""
+    if scheme is None:
+        if source is not None:
+            raise Refusal("--kv-calibration calibrates KV-cache scales: add --kv-cache-scheme fp8")
+        return None
+    if scheme != "fp8":
+        raise Refusal(f"--kv-cache-scheme takes fp8 (static per-layer E4M3 scales), not {scheme!r}")
+    if export != "compressed-tensors":
+        raise Refusal(
+            "--kv-cache-scheme writes compressed-tensors' KV scales: drop --export modelopt"
+        )
+    default = model_dir.resolve().parent / TARGET_DIR
+    if source is None and not (default / CONFIG_NAME).is_file():
+        raise Refusal(
+            f"--kv-cache-scheme fp8 calibrates from the target's aux states, and {default} holds no "
+            "target: pass --kv-calibration with the target model directory or an aux-state "
+            ".safetensors file"
+        )
+    from vllm_dspark.checkpoint_tools.kv_calibration import calibrate
+
+    return calibrate(model_dir, Path(source) if source is not None else default, progress=progress)
+
+
+def _write_kv_scales(staging: Path, calibration: Calibration) -> dict[str, Any]:
+    """Add the KV-cache scales' shard, its index entries and ``kv_cache_scheme`` to ``staging``."""
+    entries, tensors = [], {}
+    for layer, scale in enumerate(calibration.k_scales.tolist()):
+        for key in kv_scales.scale_keys(layer):
+            tensors[key] = torch.tensor(scale, dtype=torch.float32)
+            entries.append(Entry.of(key, tensors[key]))
+    with SafetensorsWriter(staging / kv_scales.SHARD_NAME, entries) as shard:
+        for entry in entries:
+            shard.write(entry.key, tensors[entry.key])
+    index = json.loads((staging / INDEX_NAME).read_text())
+    index["weight_map"] = dict(
+        sorted({**index["weight_map"], **dict.fromkeys(tensors, kv_scales.SHARD_NAME)}.items())
+    )
+    index["metadata"]["total_size"] += sum(e.nbytes for e in entries)
+    (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    config_json = json.loads((staging / CONFIG_NAME).read_text())
+    config_json["quantization_config"]["kv_cache_scheme"] = dict(kv_scales.KV_CACHE_SCHEME)
+    (staging / CONFIG_NAME).write_text(json.dumps(config_json, indent=2) + "\n")
+    return {
+        "scheme": "fp8",
+        "k_scales": calibration.k_scales.tolist(),
+        "amax": calibration.amax.tolist(),
+        "source": calibration.source,
+    }

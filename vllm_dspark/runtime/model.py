@@ -34,7 +34,7 @@ from vllm.model_executor.models.utils import (
 from vllm.models.common.ops.fused_allreduce_rms_norm import fused_allreduce_rms_norm
 from vllm.platforms import current_platform
 
-from vllm_dspark.checkpoint import formats
+from vllm_dspark.checkpoint import formats, kv_scales
 from vllm_dspark.checkpoint.layout import FUSED_GROUPS, checkpoint_modules
 from vllm_dspark.checkpoint.quant_plan import (
     QuantPlan,
@@ -50,6 +50,7 @@ from vllm_dspark.compat import (
     bind_upstream_context_kv,
     dspark_speculator_config_class,
     runs_in_tree_k3_layers,
+    set_kv_cache_scale,
 )
 from vllm_dspark.findings import Finding, FindingError, within
 from vllm_dspark.finite import invalid_scale_count
@@ -346,6 +347,17 @@ class K3DSparkModel(nn.Module):
             # The draft layers are vLLM's own MLA there, so its fused context-KV path runs unchanged.
             bind_upstream_context_kv(self, vllm_config.scheduler_config.max_num_batched_tokens)
 
+    def set_kv_cache_scales(self, k_scales: torch.Tensor) -> None:
+        """Each draft layer's FP8 KV-cache ``k_scale`` (``[L]``), where vLLM's attention reads it.
+
+        vLLM attaches KV-cache quant methods (which load ``k_scale``) only to its Attention and
+        MLAAttention classes, so the draft layers get the checkpoint's scales here; a model-dtype
+        cache keeps 1.0, as vLLM enforces for an unquantized cache.
+        """
+        for layer, scale in zip(self.layers, k_scales.tolist()):
+            if layer.self_attn.kv_cache_dtype != "auto":
+                set_kv_cache_scale(layer.self_attn, scale)
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None, "the target's embedding is shared after loading"
         return self.embed_tokens(input_ids)
@@ -458,6 +470,8 @@ class K3DSparkForCausalLM(nn.Module):
         # The target's lm_head, aliased by load_dspark_model. No placeholder: it would allocate a
         # full-vocabulary matrix only to be thrown away.
         self.lm_head: nn.Module | None = None
+        # The checkpoint's FP8 KV-cache k_scale per draft layer, if it stores them (load_weights).
+        self._kv_k_scales: torch.Tensor | None = None
         self.logits_processor = LogitsProcessor(
             self.config.draft_vocab_size, scale=self.config.logit_scale
         )
@@ -546,11 +560,18 @@ class K3DSparkForCausalLM(nn.Module):
         self._quant_plan = load.stored_plan(self._quant_plan)
         if (stray := self._quant_plan.stray_warning()) is not None:
             logger.warning("%s: %s", self._drafter, stray)
+        try:
+            self._kv_k_scales = kv_scales.k_scales(load.kv_scales, self.config.num_hidden_layers)
+        except FindingError as e:
+            raise FindingError(*within(self._drafter, e.findings)) from None
         return load.complete()
 
     def process_weights_after_loading(self) -> None:
         # Runs after every layer's own post-load step; norms keep their weights (only linears are
         # repacked), so the context path can stack them now, outside any CUDA-graph capture.
+        # The KV-cache scales go first: vLLM's MLA post-load step resets them, its context path reads them.
+        if self._kv_k_scales is not None:
+            self.model.set_kv_cache_scales(self._kv_k_scales)
         if runs_in_tree_k3_layers():
             self.model._build_fused_context_kv_metadata()
         else:
@@ -591,6 +612,7 @@ class _StrictLoad:
         # NVFP4 global scales by checkpoint module, and the suffix they are stored under.
         self.global_scales: dict[str, float] = {}
         self.global_scale_name = ""
+        self.kv_scales: dict[str, torch.Tensor] = {}  # the draft layers' KV-cache scales, by key
 
     def routed(
         self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -601,6 +623,17 @@ class _StrictLoad:
             self.dtypes[name] = dtype_name(tensor.dtype) or str(tensor.dtype)
             if is_stray(name, self.config):
                 continue  # warned about once, when the plan is resolved
+            if kv_scales.is_kv_scale(name):
+                # No parameter holds them (see K3DSparkModel.set_kv_cache_scales); checked once all are in.
+                if name in self.kv_scales:
+                    raise _Refused(
+                        Finding(
+                            f"checkpoint tensor {name!r} appears twice",
+                            "use the shards and index written together",
+                        )
+                    )
+                self.kv_scales[name] = tensor.detach().to("cpu", copy=True)
+                continue
             module, _, param_name = name.rpartition(".")
             if module not in self.stored_modules:
                 raise _Refused(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from vllm_dspark.checkpoint.layout import (
     FP8_RECIPE,
@@ -62,6 +63,22 @@ def build_parser() -> ArgumentParser:
         "(FP8_PER_CHANNEL_PER_TOKEN), nvfp4-w4a4 (NVFP4) and nvfp4 (W4A16_NVFP4)",
     )
     parser.add_argument(
+        "--kv-cache-scheme",
+        choices=("fp8",),
+        default=None,
+        help="also write each draft layer's static FP8 KV-cache scale (amax / 448 of its context "
+        "latents), in compressed-tensors' kv_cache_scheme layout",
+    )
+    parser.add_argument(
+        "--kv-calibration",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="--kv-cache-scheme's aux states: a target model directory (run over the package's "
+        "corpus) or a .safetensors file holding aux_hidden_states [N, T, W] and optionally "
+        "positions [N, T] (default: MODEL/../target, train-pair's layout)",
+    )
+    parser.add_argument(
         "--device", default="cpu", choices=("cpu", "cuda"), help="where to quantize (default cpu)"
     )
     parser.add_argument(
@@ -89,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
         export=args.export,
+        kv_cache_scheme=args.kv_cache_scheme,
+        kv_calibration=args.kv_calibration,
     )
     o = report["overall"]
     print(
@@ -97,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{human_bytes(o['bytes_before'])} -> {human_bytes(o['bytes_after'])}, weight SNR mean {o['snr_db_mean']:.1f} dB "
         f"(min {o['snr_db_min']:.1f}), {o['seconds']:.1f} s; wrote {args.out}"
     )
+    if "kv_cache" in report:
+        scales = ", ".join(f"{s:.4g}" for s in report["kv_cache"]["k_scales"])
+        print(f"fp8 KV-cache k_scale per draft layer: {scales} ({report['kv_cache']['source']})")
     return 0
 
 
