@@ -27,7 +27,8 @@ class K3DSparkConfig(KVLatent, DeepseekV3Config):
     ``target_layer_ids``, ``mask_token_id``, ``markov_rank``, ``markov_head_type``,
     ``enable_confidence_head``, ``confidence_head_with_markov``, ``block_size``, ``logit_scale``,
     ``draft_vocab_size`` and, optionally, ``target_kv_latent_dim`` (the per-token latent the
-    target's MLA cache holds; 576 for Kimi-K3).
+    target's MLA cache holds; 576 for Kimi-K3) and ``validated_context_len`` (the context, in tokens,
+    its acceptance was measured to hold to; unset: 3 × YaRN's ``original_max_position_embeddings``).
     """
 
     model_type = MODEL_TYPE

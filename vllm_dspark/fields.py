@@ -79,6 +79,10 @@ DEFAULTS: dict[str, Any] = {
     "aux_hidden_stream": "prefix",
 }
 
+# Unset validated_context_len: this many YaRN original windows, where the published drafter's
+# acceptance starts to fall (tokenspeed#1132: 5.62 at 4K, 1.0 at 131K; original window 32768).
+VALIDATED_CONTEXT_WINDOWS = 3
+
 AUX_HIDDEN_STREAMS = ("prefix", "attn_res")
 
 
@@ -98,6 +102,16 @@ def with_defaults(
     out.setdefault("block_size", out.get("dspark_block_size"))
     out["rope_parameters"] = _normalise_rope(out.get("rope_parameters"), rope_theta)
     return out
+
+
+def validated_context_len(raw: Mapping[str, Any]) -> int | None:
+    """The context a drafter's acceptance holds to: ``validated_context_len``, else
+    :data:`VALIDATED_CONTEXT_WINDOWS` × YaRN's ``original_max_position_embeddings`` (None without YaRN)."""
+    if raw.get("validated_context_len") is not None:
+        return raw["validated_context_len"]
+    rope = raw.get("rope_parameters") or {}
+    original = rope.get("original_max_position_embeddings") if isinstance(rope, Mapping) else None
+    return None if original is None else VALIDATED_CONTEXT_WINDOWS * int(original)
 
 
 class KVLatent:
@@ -360,6 +374,14 @@ def validate_config(c: Any) -> None:
             "logit_scale",
             f"must be a positive number, got {c.logit_scale!r}",
             "use 1.0 unless the checkpoint says otherwise",
+        )
+    # Optional with no stored default (validated_context_len() derives it).
+    limit = getattr(c, "validated_context_len", None)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        _fail(
+            "validated_context_len",
+            f"must be a positive number of tokens, got {limit!r}",
+            "set the longest context you measured acceptance at, or leave it out",
         )
     if c.max_position_embeddings < 1:
         _fail(

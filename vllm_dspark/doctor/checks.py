@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm_dspark.compat import DRAFT_ATTENTION_BACKENDS, SPECIALIZED_DECODE, SPECIALIZED_DRAFTER
+from vllm_dspark.doctor.context import check_context
 from vllm_dspark.doctor.facts import AUX_STREAM_ENV, EngineFacts, MachineFacts, VllmSchema
 from vllm_dspark.fields import ARCHITECTURE, DEFAULT_DRAFT_BLOCK, MODEL_TYPE, block_is_causal
 from vllm_dspark.findings import Finding, FindingError, Severity, most_severe_first, within
@@ -1000,6 +1001,7 @@ def diagnose(
     findings += check_num_speculative_tokens(spec, drafter)
     if is_k3_drafter(drafter):
         findings += check_aux_hidden_stream(drafter, engine, schema)
+        findings += check_context(spec, drafter, engine, target, schema and schema.version)
     findings += check_sampling(spec, schema, engine, drafter)
     dsa = is_dsa_target(target)
     findings += check_kv_cache_dtype(spec, engine, schema, dsa, machine)

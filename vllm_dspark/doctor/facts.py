@@ -37,6 +37,7 @@ class EngineFacts:
     )
     # VLLM_KIMI_K3_AUX_ATTN_RES_STREAM as the environment holds it (None: unset)
     aux_stream_env: str | None = None
+    max_model_len: int | None = None  # --max-model-len; None (or -1, auto-fit): the target's own
 
 
 @dataclass(frozen=True)
@@ -294,8 +295,8 @@ def load_drafter(
         )
 
 
-def engine_facts(engine_args: Any) -> EngineFacts:
-    """The facts of a vLLM ``EngineArgs``."""
+def engine_facts(engine_args: Any, target_model_config: Any = None) -> EngineFacts:
+    """The facts of a vLLM ``EngineArgs`` (its max_model_len as the target's ``ModelConfig`` resolved it)."""
     return engine_facts_of(
         compilation_config=engine_args.compilation_config,
         additional_config=getattr(engine_args, "additional_config", None),
@@ -306,6 +307,7 @@ def engine_facts(engine_args: Any) -> EngineFacts:
         pipeline_parallel_size=engine_args.pipeline_parallel_size,
         max_num_seqs=engine_args.max_num_seqs,
         aux_stream_env=os.environ.get(AUX_STREAM_ENV),
+        max_model_len=getattr(target_model_config, "max_model_len", engine_args.max_model_len),
     )
 
 

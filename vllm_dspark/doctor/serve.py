@@ -127,7 +127,7 @@ def _run_hook_checks(
     findings = check_vllm_version(schema.version) + diagnose(
         spec,
         drafter=drafter,
-        engine=engine_facts(engine_args),
+        engine=engine_facts(engine_args, target_model_config),
         machine=serving_machine(),
         target=target,
         schema=schema,

@@ -19,6 +19,7 @@ from vllm_dspark.doctor.checks import (
     diagnose,
     is_k3_drafter,
 )
+from vllm_dspark.doctor.context import yarn_summary
 from vllm_dspark.doctor.facts import (
     AUX_STREAM_ENV,
     engine_facts_of,
@@ -92,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the --max-model-len you serve with (default: the target's max_position_embeddings)",
+    )
+    p.add_argument(
         "--compute-capability",
         metavar="X.Y",
         type=_compute_capability,
@@ -128,6 +135,8 @@ def run(args: argparse.Namespace) -> tuple[list[Finding], list[str]]:
     findings += load_problems
     if path is not None:
         checked.append(f"drafter {path}")
+    if drafter is not None and (yarn := yarn_summary(drafter)):
+        checked.append(yarn)
     if path is not None and is_k3_drafter(drafter) and not check_drafter_config(drafter):
         findings += check_checkpoint_findings(
             path
@@ -160,6 +169,7 @@ def run(args: argparse.Namespace) -> tuple[list[Finding], list[str]]:
         enable_lora=args.enable_lora,
         pipeline_parallel_size=args.pipeline_parallel_size,
         max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
         aux_stream_env=os.environ.get(AUX_STREAM_ENV),
     )
     findings += diagnose(
