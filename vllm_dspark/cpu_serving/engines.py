@@ -31,8 +31,12 @@ def engine(
     *,
     enforce_eager: bool = True,
     max_model_len: int = 128,
+    tensor_parallel_size: int = 1,
+    **engine_args: Any,
 ):
-    """A ``vllm.LLM`` on ``target`` (BF16, token ids in and out, no prefix cache)."""
+    """A ``vllm.LLM`` on ``target`` (BF16, token ids in and out, no prefix cache), over
+    ``tensor_parallel_size`` worker processes where it is above 1 (vLLM's multiprocessing executor);
+    ``engine_args``: more ``vllm.LLM`` arguments (``scheduler_cls``, ``additional_config``...)."""
     from vllm import LLM
 
     if platform == "cuda":
@@ -55,9 +59,11 @@ def engine(
         seed=0,
         disable_log_stats=False,
         speculative_config=speculative_config,
+        tensor_parallel_size=tensor_parallel_size,
         # A cached prefix would skip the target forward that hands the drafter its aux states.
         enable_prefix_caching=False,
         **extra,
+        **engine_args,
     )
 
 

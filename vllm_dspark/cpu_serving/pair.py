@@ -80,8 +80,10 @@ def serve_pair(
     platform: str = "cpu",
     observe: Observer | None = None,
     log: Callable[[str], None] = lambda line: None,
+    **options: Any,
 ) -> dict[str, dict[str, Any]]:
-    """Each of ``runs`` on a fresh engine over ``models`` (``target`` and the drafters :data:`RUNS` name)."""
+    """Each of ``runs`` on a fresh engine over ``models`` (``target`` and the drafters :data:`RUNS` name),
+    started with ``options`` (:func:`.engines.engine`'s)."""
     requests = [{"prompt_token_ids": list(p)} for p in prompts]
     results: dict[str, dict[str, Any]] = {}
     for i, run in enumerate(runs, 1):
@@ -103,7 +105,7 @@ def serve_pair(
                 **finish(),
             }
 
-        results[run] = engines.served(platform, models["target"], config, use)
+        results[run] = engines.served(platform, models["target"], config, use, **options)
         log(f"[{i}/{len(runs)}] {run}: {results[run]['generate_seconds']:.1f} s generating")
     return results
 
