@@ -67,11 +67,21 @@ def test_verdict_per_drafter(
     assert (fp8["greedy"], fp8["verdict"]) == ("equal", "PASS")
     assert demo.exit_status(rows) == status
     equal = 2 if greedy == "equal" else 1
-    assert demo.verdict("bf16", bf16) == (
-        f"bf16: {verdict}: {equal} of 2 prompts' greedy text equal to no speculation's{note}"
+    target = demo.served_target(PAIR / "target")
+    assert demo.verdict("bf16", bf16, target) == (
+        f"bf16: {verdict} (target {target}): {equal} of 2 prompts' greedy text equal to no "
+        f"speculation's{note}"
     )
     assert bf16["near_tie_cutoff"] == pytest.approx(0.11)
     assert bf16["tau"] == pytest.approx(1 + 5 / 3)
+
+
+def test_the_demo_names_the_target_it_serves_by_architecture_and_path(tmp_path: Path) -> None:
+    from vllm_dspark.checkpoint_tools.kimi_k3_target import make_kimi_k3_target
+
+    assert demo.served_target(PAIR / "target") == f"DeepseekV3ForCausalLM at {PAIR / 'target'}"
+    k3 = make_kimi_k3_target(tmp_path / "k3", hidden_size=128, vocab_size=512)
+    assert demo.served_target(k3) == f"KimiK3ForConditionalGeneration at {k3}"
 
 
 # vLLM's handler writes to the sys.stdout it was given, tqdm to sys.stderr, C and Triton to the fds.
@@ -139,9 +149,11 @@ def test_make_demo_serves_the_pair_with_dspark(tmp_path: Path) -> None:
         ]
         assert row["tau"] == pytest.approx(1 + sum(row["accepted_per_position"]) / row["drafts"])
         assert f"| {name} | {row['greedy']} | {row['drafts']} |" in proc.stdout
+    target = demo.served_target(PAIR / "target")
+    assert results["target"] == target and f"target: {target}" in proc.stdout
     lines = proc.stdout.splitlines()
     assert lines[0].endswith(str(log)) and lines[-2:] == [
-        demo.verdict(name, rows[name]) for name in ("bf16", "fp8")
+        demo.verdict(name, rows[name], target) for name in ("bf16", "fp8")
     ]
     assert "check: OK" in proc.stdout and (out / "drafter-fp8" / "config.json").is_file()
     # vLLM's log lines carry its process prefix: all of them in the log, none on the console.

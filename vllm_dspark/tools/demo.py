@@ -5,10 +5,14 @@
    ``check`` the build;
 2. serve the target through vLLM three times, in-process, under Triton's interpreter
    (:mod:`vllm_dspark.cpu_serving`): without speculation, with the BF16 drafter, with the FP8 build;
-3. print what a user looks for: drafted and accepted tokens per position from vLLM's own counters,
-   τ (mean acceptance length, bonus token included), and last a verdict per drafter: PASS when every
-   prompt's greedy text equals no speculation's or parts from it at a near-tie (printed with its
-   top-2 logprob gap), FAIL otherwise (exit status 1).
+3. print what a user looks for: the target served (its architecture and path), drafted and accepted
+   tokens per position from vLLM's own counters, τ (mean acceptance length, bonus token included),
+   and last a verdict per drafter, naming the target: PASS when every prompt's greedy text equals no
+   speculation's or parts from it at a near-tie (printed with its top-2 logprob gap), FAIL otherwise
+   (exit status 1).
+
+A Kimi-K3 pair (``--pair tests/data/pair-k3``) is served the same way; its target has no tokenizer,
+so the sample shows token ids.
 
 The console shows only these steps and results; vLLM's logs, progress bars and everything else the
 libraries write go to ``--out``/vllm.log. ``--out`` also gets ``results.json``.
@@ -113,10 +117,20 @@ def comparison(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def verdict(run: str, row: dict[str, Any]) -> str:
-    """The run's verdict line: PASS or FAIL, with each prompt whose text parts from no speculation's."""
+def served_target(target: Path) -> str:
+    """What the demo served: the target's architecture (its config.json's) and its path."""
+    config = json.loads((target / "config.json").read_text())
+    return f"{(config.get('architectures') or ['unknown architecture'])[0]} at {target}"
+
+
+def verdict(run: str, row: dict[str, Any], target: str) -> str:
+    """The run's verdict line: PASS or FAIL on ``target`` (:func:`served_target`), with each prompt
+    whose text parts from no speculation's."""
     equal = sum(p["greedy"] == "equal" for p in row["prompts"])
-    line = f"{run}: {row['verdict']}: {equal} of {len(row['prompts'])} prompts' greedy text equal to no speculation's"
+    line = (
+        f"{run}: {row['verdict']} (target {target}): {equal} of {len(row['prompts'])} prompts' "
+        "greedy text equal to no speculation's"
+    )
     cutoff = row["near_tie_cutoff"]
     for p in row["prompts"]:
         if p["greedy"] == "equal":
@@ -195,8 +209,10 @@ def _demo(args: argparse.Namespace, say: Callable[[str], None], log: Path) -> in
         f"weight SNR mean {report['snr_db_mean']:.1f} dB; check: OK"
     )
 
-    say("\n=== 2/3 serve the pair with vLLM's dspark speculator (CPU, Triton's interpreter)")
-    from transformers import AutoTokenizer
+    target = served_target(args.pair / "target")
+    say(
+        f"\n=== 2/3 serve the pair with vLLM's dspark speculator (CPU, Triton's interpreter): {target}"
+    )
 
     from vllm_dspark.cpu_serving.pair import heldout_prompts, serve_pair
 
@@ -206,10 +222,11 @@ def _demo(args: argparse.Namespace, say: Callable[[str], None], log: Path) -> in
     rows = comparison(results)
 
     say("\n=== 3/3 results")
-    tokenizer = AutoTokenizer.from_pretrained(str(args.pair / "target"))
-    say(f"prompt 1: {tokenizer.decode(prompts[0])!r}")
+    decode = _decoder(args.pair / "target")
+    say(f"target: {target}")
+    say(f"prompt 1: {decode(prompts[0])}")
     for run in RUNS:
-        say(f"  {run:>8}: {tokenizer.decode(results[run]['outputs'][0]['tokens'])!r}")
+        say(f"  {run:>8}: {decode(results[run]['outputs'][0]['tokens'])}")
     say(
         f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy; vLLM's spec-decode counters; "
         "τ counts the bonus token. Greedy text: equal, or a near-tie (top-2 logprobs within a "
@@ -219,11 +236,26 @@ def _demo(args: argparse.Namespace, say: Callable[[str], None], log: Path) -> in
     from vllm_dspark.safety import staged
 
     with staged(args.out / "results.json", directory=False) as staging:
-        staging.write_text(json.dumps({"runs": results, "comparison": rows}, indent=1) + "\n")
+        document = {"target": target, "runs": results, "comparison": rows}
+        staging.write_text(json.dumps(document, indent=1) + "\n")
     say(f"wrote {args.out / 'results.json'}\n")
     for run, row in rows.items():
-        say(verdict(run, row))
+        say(verdict(run, row, target))
     return exit_status(rows)
+
+
+def _decoder(target: Path) -> Callable[[list[int]], str]:
+    """Token ids to the text the target's tokenizer makes of them; the ids themselves for a target
+    without one (``make-random --target kimi-k3``'s)."""
+    if (
+        not (target / "tokenizer.json").is_file()
+        and not (target / "tokenizer_config.json").is_file()
+    ):
+        return lambda ids: f"token ids {ids}"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    return lambda ids: repr(tokenizer.decode(ids))
 
 
 if __name__ == "__main__":
