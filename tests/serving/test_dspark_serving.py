@@ -40,7 +40,8 @@ import pytest
 import torch
 
 from tests.support.dspark_e2e import BLOCK, PROMPTS
-from vllm_dspark.cpu_serving.engines import greedy_agreement, near_tie
+from tests.support.reference_blocks import agree, check_blocks, reference_blocks
+from vllm_dspark.cpu_serving.engines import near_tie
 from vllm_dspark.tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,16 +97,6 @@ def served(request, dspark_models: dict[str, Path]) -> dict:
     return {"results": results, "captures": captures, "models": models, "out": out}
 
 
-def _agree(
-    tokens: list[int], expected: list[int], top2: list[list[int]], gaps: list[float], tie: float
-) -> int:
-    """How many leading tokens equal ``expected`` before a near-tie resolved the other way; fails
-    on a difference outside a near-tie."""
-    agreed, verdict = greedy_agreement(tokens, expected, top2, gaps, tie)
-    assert verdict != "differs", f"step {agreed}: {tokens} != {expected} (top-2 {top2[agreed]})"
-    return agreed
-
-
 @dataclass
 class Baseline:
     """Greedy output without speculation: tokens, per step the top-2 token ids and their gap."""
@@ -125,81 +116,12 @@ class Baseline:
         tie = near_tie([g for gaps in self.gaps for g in gaps])
         prompts = list(range(len(self.tokens))) if prompts is None else prompts
         compared = sum(
-            _agree(outputs[p]["tokens"], self.tokens[p], self.top2[p], self.gaps[p], tie)
+            agree(outputs[p]["tokens"], self.tokens[p], self.top2[p], self.gaps[p], tie)
             for p in prompts
         )
         # Not vacuous: near-ties are rare at this threshold, so most tokens count.
         total = sum(len(self.tokens[p]) for p in prompts)
         assert compared >= 0.25 * total, f"only {compared} of {total} tokens before near-ties"
-
-
-@dataclass
-class Block:
-    """One drafted block: the engine's tokens and backbone states, and the reference's from the same inputs."""
-
-    engine_tokens: list[int]
-    engine_hidden: torch.Tensor  # [N, H]
-    tokens: list[int]
-    hidden: torch.Tensor  # [N, H]
-    logits: torch.Tensor  # [N, V], Markov bias included
-
-
-def _reference_blocks(drafter_dir: Path, steps: list[dict]) -> list[Block]:
-    """The engine's and the reference's block for every request of every captured step.
-
-    The reference drafts from the context the speculator holds at that step: the aux hidden states
-    of every accepted position so far (each step adds its verified rows, rejected ones excluded),
-    the anchor it was given, at the position it was given.
-    """
-    from vllm_dspark.reference.drafter import ReferenceDrafter
-
-    reference = ReferenceDrafter.from_pretrained(drafter_dir)
-    history: dict[str, dict[int, torch.Tensor]] = {}
-    blocks = []
-    for step in steps:
-        starts = step["query_start_loc"].tolist()
-        for r, request in enumerate(step["req_ids"]):
-            known = history.setdefault(request, {})
-            for row in range(starts[r], starts[r + 1] - int(step["num_rejected"][r])):
-                known[int(step["positions"][row])] = step["aux"][row]
-            anchor_position = int(step["anchor_positions"][r])
-            missing = [p for p in range(anchor_position) if p not in known]
-            assert not missing, f"request {request}: no aux states captured for positions {missing}"
-            aux = torch.stack([known[p] for p in range(anchor_position)])[None]
-            out = reference.draft(
-                aux, torch.arange(anchor_position)[None], step["anchors"][r : r + 1].long()
-            )
-            blocks.append(
-                Block(
-                    step["drafted"][r].tolist(),
-                    step["hidden"][r],
-                    out.tokens[0].tolist(),
-                    out.hidden[0],
-                    out.logits[0],
-                )
-            )
-    return blocks
-
-
-# The engine's backbone runs in BF16 and the reference in FP32: their block states differ by up to
-# ~4 % (relative L2); a wrong aux layer makes them differ by ~100 %.
-HIDDEN_RTOL = 0.1
-
-
-def _check_blocks(blocks: list[Block]) -> int:
-    """Every engine block equals the reference's: tokens up to a near-tie, backbone states within
-    HIDDEN_RTOL (relative L2 per block). Returns the tokens compared."""
-    top = [block.logits.topk(2, dim=-1) for block in blocks]
-    tie = near_tie([g for t in top for g in (t.values[:, 0] - t.values[:, 1]).tolist()])
-    compared = 0
-    for i, (block, t) in enumerate(zip(blocks, top)):
-        error = float((block.engine_hidden - block.hidden).norm() / block.hidden.norm())
-        assert error < HIDDEN_RTOL, (
-            f"block {i}: backbone states differ from the reference's by {error:.1%}"
-        )
-        gaps = (t.values[:, 0] - t.values[:, 1]).tolist()
-        compared += _agree(block.engine_tokens, block.tokens, t.indices.tolist(), gaps, tie)
-    return compared
 
 
 def test_greedy_output_is_unchanged_by_dspark_speculation(served) -> None:
@@ -306,8 +228,8 @@ def test_drafted_blocks_match_the_reference_drafter(served, name: str) -> None:
     """The W8A8 build's reference quantizes the same inputs the same way (ops.act_quant)."""
     drafter = served["models"]["drafter" if name == "bf16" else f"drafter-{name}"]
     steps = served["captures"][name]
-    blocks = _reference_blocks(drafter, steps)
-    compared = _check_blocks(blocks)
+    blocks = reference_blocks(drafter, steps)
+    compared = check_blocks(blocks)
     assert compared >= 0.5 * BLOCK * len(blocks), (
         f"only {compared} drafted tokens compared before near-ties"
     )
@@ -330,10 +252,10 @@ def test_the_causal_drafter_was_served_causally(served) -> None:
 @pytest.mark.parametrize("broken", ["broken_markov_sign", "broken_aux_layer"])
 def test_a_broken_hook_fails_the_block_check(served, broken: str) -> None:
     """The check above can fail: the engine's drafter with one hook broken drafts other blocks."""
-    blocks = _reference_blocks(served["models"]["drafter"], served["captures"][broken])
+    blocks = reference_blocks(served["models"]["drafter"], served["captures"][broken])
     assert blocks
     with pytest.raises(AssertionError):
-        _check_blocks(blocks)
+        check_blocks(blocks)
 
 
 def test_probabilistic_drafting_with_block_verification(served) -> None:
