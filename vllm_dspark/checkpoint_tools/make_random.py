@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 import shutil
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -291,15 +292,20 @@ def make_random_like(
     seed: int = 0,
     progress: bool = True,
     overwrite: bool = False,
+    variant: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a random drafter with ``target_dir``'s geometry; its ``target/`` heads are the target's own."""
+    """Write a random drafter with ``target_dir``'s geometry; its ``target/`` heads are the target's own.
+
+    ``variant``: config.json fields set over the ``small`` structure's (a published variant's, e.g.
+    ``{"fc_norm": True, "aux_hidden_stream": "attn_res"}``); the tensors follow the config.
+    """
     import json
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise FindingError(Finding(f"seed must be an integer, got {seed!r}", "pass a whole number"))
     target_config = json.loads((target_dir / "config.json").read_text())
-    config_json = like_config_json(target_config, num_layers=num_layers)
+    config_json = {**like_config_json(target_config, num_layers=num_layers), **(variant or {})}
     config = K3DSparkConfig(**config_json)
     embed_tokens, lm_head = load_target_heads(target_dir)
     if tuple(embed_tokens.shape) != (config.vocab_size, config.hidden_size):
