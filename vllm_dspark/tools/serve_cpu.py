@@ -6,6 +6,11 @@ Every process of the server runs vLLM's Triton kernels under Triton's interprete
 without a Triton CPU backend. For checking a setup on small models, not for speed: about a second per
 decoding step for a tiny model. Arguments this command does not know go to vLLM's server.
 
+A Kimi-K3 target (``KimiK3ForConditionalGeneration``, e.g. ``tests/data/pair-k3/target``) is served
+with the plugin's CPU emulations of its CUDA-only pieces (every process enables them, as the
+interpreter); one without a tokenizer (``make-random --target kimi-k3``'s) is served with
+``--skip-tokenizer-init``: send token ids (``"prompt": [ids]``), read token ids back.
+
 ``--print-recipe`` prints this command as a bash script, or one of the GPU recipes (``vllm serve``
 with the drafter on H200 or multi-node GB300, after ``vllm-dspark doctor``): save it and run it
 with the settings its header lists.
@@ -84,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model(
         parser,
-        "the target model directory (an MLA model, e.g. DeepSeek-V3 layout)",
+        "the target model directory: an MLA model (DeepSeek-V3 layout) or a Kimi-K3 one",
         positional=True,
         type=str,
     )
@@ -128,6 +133,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+KIMI_K3 = "KimiK3ForConditionalGeneration"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model")
+
+
+def target_flags(model: str) -> list[str]:
+    """The server flags a local target needs: ``--skip-tokenizer-init`` for a Kimi-K3 target
+    without a tokenizer (vLLM's Kimi-K3 renderer would load one), none otherwise."""
+    config = Path(model, "config.json")
+    if not config.is_file() or KIMI_K3 not in json.loads(config.read_text()).get(
+        "architectures", []
+    ):
+        return []
+    if any(Path(model, name).is_file() for name in TOKENIZER_FILES):
+        return []
+    return ["--skip-tokenizer-init"]
+
+
 def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
     """The server's command line, its environment as a leading ``env NAME=VALUE ...``."""
     from vllm_dspark.cpu_serving import environ
@@ -160,6 +182,7 @@ def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
         "--max-num-batched-tokens",
         str(args.max_model_len),
         "--enforce-eager",
+        *target_flags(args.model),
         *vllm_args,
     ]
 
@@ -178,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name} {path}: no config.json there; give a model directory or a hub id"
             )
     argv_out = command(args, vllm_args)
+    if "--skip-tokenizer-init" in target_flags(args.model):
+        print(
+            f"serve-cpu: {args.model} is a {KIMI_K3} without a tokenizer: served with "
+            "--skip-tokenizer-init, so send token ids as prompts",
+            file=sys.stderr,
+        )
     if args.dry_run:
         print("\0".join(argv_out) + "\0")
         return 0
