@@ -94,6 +94,13 @@ BENCHMARKS: dict[str, Benchmark] = {
         "The trained pair: measured acceptance length per format, drift next to it",
         in_all=False,
     ),
+    "draft-kv": Benchmark(
+        "benchmarks.draft_kv",
+        "the trained pair: measured τ with the draft's KV cache in BF16, FP8 at k_scale 1.0 and FP8 calibrated",
+        "draft_kv",
+        "The trained pair: measured acceptance with the draft KV cache in BF16 and FP8 E4M3",
+        in_all=False,
+    ),
     "drift": Benchmark(
         "benchmarks.drift",
         "drift report at real shapes: table with CIs under 2 pp, plots (an hour or more)",
@@ -107,6 +114,13 @@ BENCHMARKS: dict[str, Benchmark] = {
         "drift_positions",
         "Cost benchmark: drift through the YaRN range (`k3`, random weights)",
         args=DRIFT_POSITIONS,
+        in_all=False,
+    ),
+    "context-sweep": Benchmark(
+        "benchmarks.context_sweep",
+        "the trained pair: measured τ against context length (32 .. 2048 tokens of real text), break-even length",
+        "context_sweep",
+        "The trained pair: measured acceptance against context length",
         in_all=False,
     ),
 }

@@ -485,6 +485,18 @@ def load_drafter_state_dict(
     return config, state_dict
 
 
+def stored_k_scales(model_dir: str | Path) -> torch.Tensor | None:
+    """The draft layers' FP8 KV-cache ``k_scale`` ``[L]`` a drafter directory stores, or None if none."""
+    checkpoint = read_checkpoint(model_dir, fields_only=True)
+    keys = [key for key in checkpoint.stored if kv_scales.is_kv_scale(key)]
+    with TensorReader() as reader:
+        tensors = {key: reader.read(checkpoint.stored[key].path, key) for key in keys}
+    try:
+        return kv_scales.k_scales(tensors, checkpoint.config.num_hidden_layers)
+    except FindingError as e:
+        raise FindingError(*within(str(model_dir), e.findings)) from None
+
+
 def input_quantizers(model_dir: str | Path) -> dict[str, tuple[ActScheme, torch.Tensor | None]]:
     """``{module: (activation scheme, stored input scale or None)}`` of a build's W8A8 / W4A4 modules
     (absorbed ones excepted: vLLM never quantizes their input)."""

@@ -38,6 +38,32 @@ class AcceptSpec:
     seed: int = 0
     resamples: int = 1000
     progress: bool = True
+    draft_kv: str = "bf16"  # the draft's KV cache: "bf16" (model dtype) or "fp8" (E4M3 pages)
+
+
+DRAFT_KV = ("bf16", "fp8")
+
+
+def use_draft_kv(drafter, mode: str, checkpoint: Path) -> dict[str, Any]:
+    """Serve ``drafter``'s latents from a ``mode`` KV cache; returns what the results record of it.
+
+    fp8 takes the per-layer k_scale ``checkpoint`` stores (``quantize --kv-cache-scheme fp8``), else
+    1.0: what vLLM's fp8 MLA cache does with that checkpoint.
+    """
+    from vllm_dspark.checkpoint.store import stored_k_scales
+
+    if mode not in DRAFT_KV:
+        raise ValueError(f"--draft-kv takes {' or '.join(DRAFT_KV)}, not {mode!r}")
+    if mode == "bf16":
+        drafter.use_fp8_kv_cache(None)
+        return {"dtype": mode}
+    scales = stored_k_scales(checkpoint)
+    source = f"calibrated, stored in {checkpoint}"
+    if scales is None:
+        scales = torch.ones(drafter.config.num_hidden_layers)
+        source = f"1.0 ({checkpoint} stores no KV-cache scales)"
+    drafter.use_fp8_kv_cache(scales)
+    return {"dtype": mode, "k_scales": scales.tolist(), "scales": source}
 
 
 # ----- prompts -----
@@ -339,6 +365,8 @@ def run(spec: AcceptSpec) -> dict[str, Any]:
             else:
                 drafter, source_v = load_variant(name, str(spec.drafter), config, heads, reference)
             label = variant_label(name)
+            checkpoint = Path(name) if Path(name).is_dir() else spec.drafter
+            draft_kv = use_draft_kv(drafter, spec.draft_kv, checkpoint)
             timing[f"load_{label}_s"] = time.perf_counter() - t0
             for mode in modes:
                 t0 = time.perf_counter()
@@ -361,6 +389,7 @@ def run(spec: AcceptSpec) -> dict[str, Any]:
                     "variant": label,
                     "mode": mode,
                     "source": source_v,
+                    "draft_kv": draft_kv,
                     **summarize(records, config.draft_block_size, spec.resamples, spec.seed),
                     "seconds": time.perf_counter() - t0,
                 }
@@ -386,6 +415,7 @@ def run(spec: AcceptSpec) -> dict[str, Any]:
             "target_layer_ids": list(config.target_layer_ids),
             "seed": spec.seed,
             "resamples": spec.resamples,
+            "draft_kv": spec.draft_kv,
         },
         "versions": versions(),
         "timing": timing,
@@ -402,6 +432,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"Target `{c['target']}`, drafter `{c['drafter']}`, {c['num_prompts']} prompts "
         f"({c['prompts']}), {c['max_tokens']} tokens each, temperature {c['temperature']}, "
         f"block {c['block_size']}. τ counts the bonus token; ± is the 95 % bootstrap CI over prompts.",
+        *_draft_kv_lines(results),
         "",
         "| Variant | Mode | τ | Per-position acceptance | Confidence AUC | Target tokens / accepted | Lossless |",
         "|---|---|---|---|---|---|---|",
@@ -417,6 +448,21 @@ def markdown(results: dict[str, Any]) -> str:
             f"{auc_text} | {_fmt_pm(cell['target_tokens_per_accepted'])} | {lossless} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _draft_kv_lines(results: dict[str, Any]) -> list[str]:
+    """Under an fp8 draft KV cache, one line per variant naming its k_scales and where they came from."""
+    if results["config"].get("draft_kv", "bf16") == "bf16":
+        return []
+    seen = {c["variant"]: c["draft_kv"] for c in results["cells"]}
+    return [
+        "",
+        *(
+            f"Draft KV cache of {variant}: FP8 E4M3, k_scale "
+            f"{', '.join(f'{s:.4g}' for s in kv['k_scales'])} ({kv['scales']})."
+            for variant, kv in seen.items()
+        ),
+    ]
 
 
 def _fmt_pm(est: dict[str, float], digits: int = 2) -> str:
@@ -476,6 +522,11 @@ def write_report(results: dict[str, Any], out: Path) -> list[Path]:
 def summary_lines(results: dict[str, Any]) -> list[str]:
     """One line per measured cell: variant, mode and τ with its CI."""
     return [
-        f"{cell['variant']:>8} {cell['mode']:<9} τ {_fmt_pm(cell['tau'])}"
+        f"{cell['variant']:>8} {cell['mode']:<9} τ {_fmt_pm(cell['tau'])}" + _kv_note(cell)
         for cell in results["cells"]
     ]
+
+
+def _kv_note(cell: dict[str, Any]) -> str:
+    kv = cell.get("draft_kv", {"dtype": "bf16"})
+    return "" if kv["dtype"] == "bf16" else f"  (draft KV fp8, k_scale {kv['scales']})"

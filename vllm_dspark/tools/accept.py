@@ -62,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="--scheduled's cost of one verified token relative to a step's fixed cost (default 0.1)",
     )
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
+    parser.add_argument(
+        "--draft-kv",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="the draft's KV cache: bf16 (the model dtype) or fp8 (E4M3 latents, as vLLM's fp8 MLA "
+        "cache stores them, with the per-layer k_scale the variant's checkpoint stores, else 1.0; "
+        "the output says which)",
+    )
     add_out(parser, "results directory")
     add_shared(parser, seed=True, progress=True)
     return parser
@@ -98,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         resamples=args.resamples,
         progress=not args.no_progress,
+        draft_kv=args.draft_kv,
     )
     with staged(args.out, directory=True, merge=True) as staging:
         t0 = time.perf_counter()
