@@ -48,6 +48,17 @@ SMOKE_ARGS: dict[str, list[str]] = {
         "--warmup",
         "0",
     ],
+    "context-sweep": [
+        "--lengths",
+        "16",
+        "64",
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "4",
+        "--variants",
+        "fp32",
+    ],
 }
 
 
@@ -256,6 +267,22 @@ def check_arithmetic(name: str, result: dict, *, committed: bool = True) -> None
                     v,
                 )
                 _close(build["context_proj_share"][v], per_rank[v]["context_proj"] / step, v)
+    elif name == "context_sweep":
+        from vllm_dspark.drift.context_sweep import break_even_length
+        from vllm_dspark.ops.speculation_cost import StepCost, break_even_context
+
+        assert not Path(result["pair"]).is_absolute()
+        config = result["config"]
+        cost = StepCost(config["cost"]["fixed"], config["cost"]["per_context_token"])
+        for cell in result["cells"]:
+            _close(cell["break_even_tau"], cost.ratio(cell["context"]), "break-even τ")
+            assert cell["pays"] == (cell["tau"]["value"] > cell["break_even_tau"])
+            _close(cell["pays_up_to"], break_even_context(cost, cell["tau"]["value"]), "pays up to")
+        for label, be in result["break_even"].items():
+            cells = [c for c in result["cells"] if c["variant"] == label]
+            assert [c["context"] for c in cells] == config["lengths"]
+            taus = [c["tau"]["value"] for c in cells]
+            assert be["measured"] == break_even_length(config["lengths"], taus, cost)
     else:
         raise AssertionError(f"no arithmetic check for benchmark result {name!r}: add one")
 

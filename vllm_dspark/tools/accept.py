@@ -70,6 +70,34 @@ def build_parser() -> argparse.ArgumentParser:
         "cache stores them, with the per-layer k_scale the variant's checkpoint stores, else 1.0; "
         "the output says which)",
     )
+    sweep = parser.add_argument_group(
+        "context sweep",
+        "τ against context length, prompts padded with real text (--prompts: a text file)",
+    )
+    sweep.add_argument(
+        "--context-sweep",
+        type=int,
+        nargs="+",
+        metavar="LENGTH",
+        help="measure τ at these context lengths instead of the per-format table (default "
+        "variant: bf16); writes context_sweep.{json,md} and tau_vs_context.png",
+    )
+    cost = sweep.add_mutually_exclusive_group()
+    cost.add_argument(
+        "--step-cost",
+        type=float,
+        nargs=2,
+        metavar=("FIXED", "PER_TOKEN"),
+        help="a speculative step's time over a plain one's: FIXED + PER_TOKEN × context "
+        "(default: the tokenspeed#1132 prior, K3 DSpark on MI355X)",
+    )
+    cost.add_argument(
+        "--step-cost-through",
+        type=float,
+        nargs=2,
+        metavar=("CONTEXT", "RATIO"),
+        help="the step-cost line through one measured (context, ratio) point, FIXED 1",
+    )
     add_out(parser, "results directory")
     add_shared(parser, seed=True, progress=True)
     return parser
@@ -77,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.variants = args.variants or list(default_variants())
+    args.variants = args.variants or (["bf16"] if args.context_sweep else list(default_variants()))
     unknown = [v for v in args.variants if v not in builtin_variants() and not Path(v).is_dir()]
     if unknown:
         raise ValueError(
@@ -108,12 +136,40 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         draft_kv=args.draft_kv,
     )
+    if args.context_sweep:
+        return _context_sweep(args, spec)
     with staged(args.out, directory=True, merge=True) as staging:
         t0 = time.perf_counter()
         results = run(spec)
         results["timing"]["total_s"] = time.perf_counter() - t0
         files = [args.out / f.name for f in write_report(results, staging)]
     print("\n".join(summary_lines(results)))
+    print("\n".join(f"wrote {f}" for f in files))
+    return 0
+
+
+def _context_sweep(args: argparse.Namespace, spec) -> int:
+    """``--context-sweep``: τ per length and the break-even length under the step-cost model."""
+    from vllm_dspark.drift import context_sweep
+    from vllm_dspark.ops.speculation_cost import TOKENSPEED_K3_MI355X, StepCost
+
+    if min(args.context_sweep) < 1:
+        raise ValueError("--context-sweep lengths must be >= 1")
+    if args.step_cost:
+        cost, source = StepCost(*args.step_cost), "--step-cost"
+    elif args.step_cost_through:
+        context, ratio = args.step_cost_through
+        cost, source = StepCost.through(int(context), ratio), "--step-cost-through"
+    else:
+        cost, source = TOKENSPEED_K3_MI355X, "the tokenspeed#1132 prior (K3 DSpark, MI355X)"
+    print(f"step cost: {source}: {cost.fixed:g} + {cost.per_context_token:.3g} × context")
+    sweep = context_sweep.SweepSpec(spec, tuple(sorted(set(args.context_sweep))), cost, source)
+    with staged(args.out, directory=True, merge=True) as staging:
+        t0 = time.perf_counter()
+        results = context_sweep.run(sweep)
+        results["timing"]["total_s"] = time.perf_counter() - t0
+        files = [args.out / f.name for f in context_sweep.write_report(results, staging)]
+    print("\n".join(context_sweep.summary_lines(results)))
     print("\n".join(f"wrote {f}" for f in files))
     return 0
 
