@@ -33,7 +33,8 @@ def build_parser() -> ArgumentParser:
         description="Quantize a K3 DSpark drafter checkpoint (weight-only, W8A8 or W4A4), in the "
         "compressed-tensors format vLLM loads or ModelOpt's. Non-included tensors are copied bit-identical; a report "
         f"({REPORT_NAME}.json/.md) gives params quantized, sizes and weight SNR.",
-        epilog="No calibration; SmoothQuant is off on purpose (why: docs/tools/quantize.md).",
+        epilog="No weight or activation calibration; SmoothQuant is off on purpose (why: "
+        "docs/tools/quantize.md). --kv-cache-scheme fp8 calibrates the draft's KV-cache scales.",
     )
     # qstream's underscore spellings (--model_dir) still parse: ArgumentParser takes both.
     add_model(parser, "the BF16 drafter checkpoint directory")
