@@ -15,7 +15,6 @@ from vllm_dspark.compat import DRAFT_LIMITS_SERVER_LEN, draft_limits_server_len
 from vllm_dspark.doctor.facts import EngineFacts
 from vllm_dspark.fields import VALIDATED_CONTEXT_WINDOWS, YARN_DEFAULTS, validated_context_len
 from vllm_dspark.findings import Finding
-from vllm_dspark.ops.rope import cos_sin_scale, softmax_scale, yarn_mscale
 
 
 def _positive_int(value: Any) -> int | None:
@@ -204,6 +203,12 @@ def check_yarn(drafter: Mapping[str, Any]) -> list[Finding]:
 
 def yarn_summary(drafter: Mapping[str, Any]) -> str | None:
     """The drafter's YaRN window and the effective softmax scale its attention uses, in one line."""
+    from vllm_dspark.ops.rope import (
+        cos_sin_scale,
+        softmax_scale,
+        yarn_mscale,
+    )  # torch: not at --help
+
     rope = _yarn(drafter)
     dims = [drafter.get(k) for k in ("qk_nope_head_dim", "qk_rope_head_dim")]
     if rope is None or not all(_positive_int(d) for d in dims):
