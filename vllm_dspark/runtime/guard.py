@@ -2,8 +2,8 @@
 """The per-request acceptance guard in vLLM: a ``--scheduler-cls`` subclass of vLLM's ``Scheduler``.
 
 ``--scheduler-cls vllm_dspark.runtime.guard.GuardedScheduler`` turns it on; its parameters come
-from ``--additional-config '{"dspark_guard": {...}}'`` (:class:`~vllm_dspark.ops.acceptance_guard.GuardConfig`).
-The state machine is :mod:`vllm_dspark.ops.acceptance_guard`; this class only feeds it and applies
+from ``--additional-config '{"dspark_guard": {...}}'`` (:class:`~vllm_dspark.acceptance_guard.GuardConfig`).
+The state machine is :mod:`vllm_dspark.acceptance_guard`; this class only feeds it and applies
 it. A guarded request's drafts are dropped after vLLM hands them to the scheduler, so the next step
 schedules none: the target verifies nothing of it and emits its own token (greedy output is the
 target's by construction), while the dspark speculator still stores the context KV of its tokens.
@@ -18,7 +18,7 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_dspark.ops.acceptance_guard import AcceptanceGuard, GuardConfig
+from vllm_dspark.acceptance_guard import AcceptanceGuard, GuardConfig
 
 logger = init_logger("vllm.vllm_dspark.guard")
 CONFIG_KEY = "dspark_guard"  # its entry in --additional-config

@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The acceptance guard's state machine (``vllm_dspark.ops.acceptance_guard``): trip, back-off,
+"""The acceptance guard's state machine (``vllm_dspark.acceptance_guard``): trip, back-off,
 probe, resume, the context prior, the break-even threshold, and one-line errors for bad parameters."""
 
 from __future__ import annotations
 
 import pytest
 
-from vllm_dspark.ops.acceptance_guard import (
+from vllm_dspark.acceptance_guard import (
     ACTIVE,
     GUARDED,
     PROBING,

@@ -3,7 +3,7 @@
 
 Per request, a window of its last ``window`` verified steps (tokens drafted, tokens accepted). Once
 it holds ``min_steps`` steps and accepted over drafted falls below the threshold (the break-even
-acceptance rate at the request's context length, :mod:`.speculation_cost`, or a flat one), the
+acceptance rate at the request's context length, :mod:`vllm_dspark.ops.speculation_cost`, or a flat one), the
 request is *guarded*: its drafts are not verified, so it emits one token a step, the target's own.
 After ``backoff`` guarded steps it *probes*: its drafts are verified for ``probe_steps`` steps, and
 it resumes if their rate reaches the threshold plus ``hysteresis``, else it is guarded again. With
