@@ -68,11 +68,12 @@ def read_aux_file(path: Path, config: K3DSparkConfig) -> list[tuple[torch.Tensor
     positions = tensors.get(POSITIONS_KEY)
     if positions is None:
         positions = torch.arange(aux.shape[1]).expand(aux.shape[:2])
+    given = f"{positions.dtype} {tuple(positions.shape)}"
     positions = positions if positions.dim() == 2 else positions[None]
     if positions.is_floating_point() or tuple(positions.shape) != tuple(aux.shape[:2]):
         raise ValueError(
-            f"--kv-calibration {path}: {POSITIONS_KEY} is {positions.dtype} "
-            f"{tuple(positions.shape)}, not integer {tuple(aux.shape[:2])}. Fix: {fix}"
+            f"--kv-calibration {path}: {POSITIONS_KEY} is {given}, not integer "
+            f"{tuple(aux.shape[:2])}. Fix: {fix}"
         )
     top = config.max_position_embeddings
     if bool(((positions < 0) | (positions >= top)).any()):
