@@ -216,10 +216,46 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
     return "\n".join(parts)
 
 
+def draft_kv_rows(results_dir: Path, columns: int) -> tuple[list[str], str]:
+    """The FP8 build's rows with an FP8 draft KV cache (``draft_kv``'s), shaped as the pair table's
+    ``columns`` (measured τ and losslessness; no drift figures), and the sentence that explains them."""
+    result = _load(results_dir, "draft_kv")
+    if result is None:
+        return [], ""
+    fp8 = next(r for r in result["rows"] if r["weights"] == "fp8")
+    rows = []
+    for kv, label in (("fp8 at 1.0", "k_scale 1.0"), ("fp8 calibrated", "calibrated")):
+        tau, lossless = fp8["tau"][kv], fp8["lossless"][kv]
+        cells = [
+            f"fp8, FP8 draft KV, {label}",
+            f"{tau['value']:.2f} ± {(tau['hi'] - tau['lo']) / 2:.2f}",
+        ]
+        cells += ["—"] * (columns - 3) + [f"{sum(lossless)}/{len(lossless)}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    scales = ", ".join(f"{s:.4f}" for s in fp8["k_scales"]["fp8 calibrated"])
+    note = (
+        " FP8 draft KV (the other rows: BF16): vLLM's fp8 MLA cache, E4M3 latents at k_scale 1.0 or "
+        f"calibrated by `quantize --kv-cache-scheme fp8` ({scales}), same prompts, "
+        f"`python -m benchmarks draft-kv`, measured {result['environment'].get('date', '?')} "
+        "(BF16 weights too: [docs/benchmarks.md](docs/benchmarks.md))."
+    )
+    return rows, note
+
+
 def render_pair(results_dir: Path = RESULTS_DIR) -> str:
-    """The quality section's lead: the trained pair's measured τ per format, drift next to it."""
+    """The quality section's lead: the trained pair's measured τ per format, drift next to it, and the
+    FP8 build's τ with an FP8 draft KV cache."""
     parts = [PAIR_BEGIN]
-    parts += _section(BENCHMARKS["pair"].heading, "python -m benchmarks pair", results_dir, "pair")
+    section = _section(BENCHMARKS["pair"].heading, "python -m benchmarks pair", results_dir, "pair")
+    if section:
+        lines = section[4].split("\n")
+        last = max(i for i, line in enumerate(lines) if line.startswith("|"))
+        rows, note = draft_kv_rows(results_dir, lines[0].count("|") - 1)
+        lines[last + 1 : last + 1] = rows
+        if note:
+            lines[-1] += note
+        section[4] = "\n".join(lines)
+    parts += section
     if (results_dir / "pair" / "tau_vs_drift.png").exists():
         parts += [
             "![Measured τ against the drift predictions](benchmarks/results/pair/tau_vs_drift.png)",

@@ -48,6 +48,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
         "--warmup",
         "0",
     ],
+    "draft-kv": ["--prompts", "2", "--max-tokens", "4"],
     "context-sweep": [
         "--lengths",
         "16",
@@ -283,6 +284,24 @@ def check_arithmetic(name: str, result: dict, *, committed: bool = True) -> None
             assert [c["context"] for c in cells] == config["lengths"]
             taus = [c["tau"]["value"] for c in cells]
             assert be["measured"] == break_even_length(config["lengths"], taus, cost)
+    elif name == "draft_kv":
+        from benchmarks.draft_kv import KV, WEIGHTS
+
+        assert not Path(result["pair"]).is_absolute()
+        assert not Path(result["accept_config"]["prompts"]).is_absolute()
+        assert [r["weights"] for r in result["rows"]] == list(WEIGHTS)
+        calibrated = result["rows"][0]["k_scales"]["fp8 calibrated"]
+        assert (
+            calibrated and all(s > 0 for s in calibrated) and calibrated != [1.0] * len(calibrated)
+        )
+        for row in result["rows"]:
+            assert set(row["tau"]) == set(row["lossless"]) == {kv for kv, _ in KV}
+            for lossless in row["lossless"].values():
+                assert len(lossless) == result["accept_config"]["num_prompts"]
+            assert row["k_scales"]["bf16"] is None
+            assert row["k_scales"]["fp8 at 1.0"] == [1.0] * len(calibrated)
+            # Both builds carry the one calibration (the BF16 one is given the FP8 build's shard).
+            assert row["k_scales"]["fp8 calibrated"] == calibrated
     else:
         raise AssertionError(f"no arithmetic check for benchmark result {name!r}: add one")
 
