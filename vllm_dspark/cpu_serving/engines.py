@@ -32,9 +32,10 @@ def engine(
     enforce_eager: bool = True,
     max_model_len: int = 128,
     tensor_parallel_size: int = 1,
+    dtype: str = "bfloat16",
     **engine_args: Any,
 ):
-    """A ``vllm.LLM`` on ``target`` (BF16, token ids in and out, no prefix cache), over
+    """A ``vllm.LLM`` on ``target`` (``dtype``, token ids in and out, no prefix cache), over
     ``tensor_parallel_size`` worker processes where it is above 1 (vLLM's multiprocessing executor);
     ``engine_args``: more ``vllm.LLM`` arguments (``scheduler_cls``, ``additional_config``...)."""
     from vllm import LLM
@@ -52,7 +53,7 @@ def engine(
     return LLM(
         model=str(target),
         skip_tokenizer_init=True,
-        dtype="bfloat16",
+        dtype=dtype,
         max_model_len=max_model_len,
         max_num_seqs=4,
         enforce_eager=enforce_eager,
