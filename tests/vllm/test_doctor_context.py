@@ -78,6 +78,7 @@ def test_the_validated_context_compares_what_the_build_will_serve(drafter) -> No
     assert served_len(capped, drafter, EngineFacts(), TARGET, V034) == 65536
     assert served_len(capped, drafter, EngineFacts(), TARGET, CPU) == 262144
     assert served_len(capped, default_rope(drafter), EngineFacts(), TARGET, V033) == 262144
+    assert served_len(capped, drafter, EngineFacts(), None, V034) is None  # nothing asked: unknown
     assert check_validated_context(capped, drafter, EngineFacts(), TARGET, V034) == []
     assert len(check_validated_context(capped, drafter, EngineFacts(), TARGET, CPU)) == 1
 

@@ -52,14 +52,12 @@ def served_len(
     """The max_model_len vLLM ``version`` will serve: the one asked for, lowered to the draft's
     (``speculative_config.max_model_len``, else its ``max_position_embeddings``) where that build caps it."""
     asked, _ = requested_len(engine, target)
-    if version is None or not draft_limits_server_len(version, rope_type(drafter)):
+    if asked is None or version is None or not draft_limits_server_len(version, rope_type(drafter)):
         return asked
     draft = _positive_int(spec.get("max_model_len")) or _positive_int(
         drafter.get("max_position_embeddings")
     )
-    if asked is None or draft is None:
-        return asked or draft
-    return min(asked, draft)
+    return asked if draft is None else min(asked, draft)
 
 
 def check_validated_context(
