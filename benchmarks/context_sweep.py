@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     # Paths relative to the working directory: results record where the pair is, not this machine.
-    pair, out = Path(os.path.relpath(args.pair)), args.out / "context_sweep"
+    pair, out = Path(os.path.relpath(args.pair)), Path(os.path.relpath(args.out / "context_sweep"))
     argv_ = ["accept", "--target", str(pair / "target"), "--drafter", str(pair / "drafter")]
     argv_ += ["--context-sweep", *args.lengths, "--num-prompts", str(args.prompts)]
     argv_ += ["--max-tokens", str(args.max_tokens), "--variants", *args.variants]
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = report["timing"]["total_s"]
     note = (
         f"\n\n`accept {' '.join(argv_[1:])}`: {seconds:.0f} s on {args.threads} thread(s)."
-        "\n\n![τ against context length](results/context_sweep/tau_vs_context.png)"
+        "\n\n![τ against context length](../benchmarks/results/context_sweep/tau_vs_context.png)"
     )
     payload = {
         "pair": str(pair),

@@ -86,7 +86,7 @@ def _padding_ids(spec: AcceptSpec, vocab_size: int) -> tuple[list[int], str]:
     ids = _tokenizer(spec.target).encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
     if any(not 0 <= t < vocab_size for t in ids):
         raise ValueError(f"{path} tokenizes outside the drafter's vocabulary. Fix: use its target")
-    return ids, str(path)
+    return ids, str(spec.prompts) if spec.prompts else "the package's corpus.txt"
 
 
 def run(sweep: SweepSpec) -> dict[str, Any]:
