@@ -14,6 +14,7 @@ import torch
 
 from tests.support.vllm_drafter import bind_caches, load_drafter, make_batch
 from vllm_dspark.checkpoint import kv_scales
+from vllm_dspark.checkpoint.check import check_checkpoint
 from vllm_dspark.checkpoint.st_io import read_tensors
 
 PAIR = Path(__file__).resolve().parents[1] / "data" / "pair"
@@ -92,3 +93,13 @@ def test_a_bad_kv_scale_is_refused_by_name(calibrated, tmp_path: Path) -> None:
             shard.write(e.key, stored[e.key])
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         load_drafter(None, copy, dtype="bfloat16", kv_cache_dtype="fp8")
+    report = check_checkpoint(copy)
+    assert not report.ok and [p.where for p in report.problems] == [key]
+
+
+def test_check_lists_the_kv_scales(calibrated) -> None:
+    out, report = calibrated
+    checked = check_checkpoint(out)
+    assert checked.ok
+    scales = ", ".join(f"{s:.4g}" for s in report["kv_cache"]["k_scales"])
+    assert f"fp8 KV-cache k_scale per draft layer: {scales}" in checked.summary

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_dspark.checkpoint import formats, modelopt, quant_plan
+from vllm_dspark.checkpoint import formats, kv_scales, modelopt, quant_plan
 from vllm_dspark.checkpoint.layout import (
     TARGET_HEADS,
     ModuleSpec,
@@ -225,7 +225,40 @@ def check_checkpoint(model_dir: str | Path) -> CheckReport:
     encoding = modelopt.ENCODING if report.source == "ModelOpt" else "compressed-tensors"
     report.findings += _scale_problems(specs, quantized, stored, encoding)
     report.findings += _tensor_problems(config, quantized, stored, stray, encoding)
+    report.findings += _kv_scale_problems(report, config, stored)
     return report
+
+
+def _kv_scale_problems(
+    report: CheckReport, config: K3DSparkConfig | DrafterFields, stored: dict[str, StoredTensor]
+) -> list[Finding]:
+    """The draft layers' KV-cache scales, if stored: one per layer, each finite and positive; summarized."""
+    keys = sorted(k for k in stored if kv_scales.is_kv_scale(k))
+    if not keys:
+        return []
+    problems, values = [], []
+    for layer in range(config.num_hidden_layers):
+        for key in kv_scales.scale_keys(layer):
+            if key not in stored:
+                problems.append(
+                    Finding(
+                        "missing; the other draft layers store KV-cache scales", kv_scales.FIX, key
+                    )
+                )
+                continue
+            dtype = DTYPES[stored[key].dtype][1]
+            raw = read_bytes(stored[key])
+            if dtype is None or math.prod(stored[key].shape) != 1:
+                continue  # a dtype or shape problem, named with the tensors'
+            if invalid_scale_values(raw, dtype):
+                problems.append(Finding("NaN, infinite or not positive", kv_scales.FIX, key))
+            elif key.endswith("k_scale"):
+                values.append(float(stored_values(raw, dtype)[0]))
+    if len(values) == config.num_hidden_layers:
+        report.summary.append(
+            "fp8 KV-cache k_scale per draft layer: " + ", ".join(f"{v:.4g}" for v in values)
+        )
+    return problems
 
 
 def _check_quantization(
