@@ -51,24 +51,40 @@ class Block:
     logits: torch.Tensor  # [N, V], Markov bias included
 
 
-def reference_blocks(drafter_dir: Path, steps: list[dict[str, Any]]) -> list[Block]:
-    """The engine's and the reference's block for every request of every captured step."""
+def reference_blocks(
+    drafter_dir: Path, steps: list[dict[str, Any]], *, head_on_engine_states: bool = False
+) -> list[Block]:
+    """The engine's and the reference's block for every request of every captured step.
+
+    With ``head_on_engine_states`` the reference's tokens and logits are its Markov head's greedy
+    rollout over the engine's backbone states (which are still compared with the reference's): for a
+    random drafter, whose top-2 logits often lie closer than the BF16 backbone's error moves them.
+    """
+    from vllm_dspark.ops.sampling import markov_rollout
     from vllm_dspark.reference.drafter import ReferenceDrafter
 
     reference = ReferenceDrafter.from_pretrained(drafter_dir)
     blocks = []
     for s, r, aux in contexts(steps):
         step = steps[s]
-        out = reference.draft(
-            aux, torch.arange(aux.shape[1])[None], step["anchors"][r : r + 1].long()
-        )
+        anchor = step["anchors"][r : r + 1].long()
+        out = reference.draft(aux, torch.arange(aux.shape[1])[None], anchor)
+        head = out
+        if head_on_engine_states:
+            with torch.no_grad():
+                head = markov_rollout(
+                    reference.base_logits(step["hidden"][r][None]),
+                    anchor,
+                    reference.markov_embed,
+                    reference.markov_bias,
+                )
         blocks.append(
             Block(
                 step["drafted"][r].tolist(),
                 step["hidden"][r],
-                out.tokens[0].tolist(),
+                head.tokens[0].tolist(),
                 out.hidden[0],
-                out.logits[0],
+                head.logits[0],
             )
         )
     return blocks
