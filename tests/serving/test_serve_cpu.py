@@ -27,6 +27,8 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 6
 PROMPTS = ["w11 w250 w3000 w42 w7 w900 w12", "w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15"]
+# The trained Kimi-K3 pair (`vllm-dspark train-pair --target kimi-k3`): no tokenizer, token-id prompts.
+K3_PAIR = ROOT / "tests" / "data" / "pair-k3"
 
 
 def _free_port() -> int:
@@ -85,26 +87,27 @@ def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("serve_cpu") / "server.log"
 
 
-@pytest.fixture(scope="module")
-def server(wheel_venv: Path, dspark_models: dict[str, Path], server_log: Path) -> Iterator[str]:
+def _serve(venv: Path, target: Path, drafter: Path, log_path: Path) -> Iterator[str]:
+    """``vllm-dspark serve-cpu`` of the installed wheel on a free port, run outside the checkout
+    (``log_path``'s folder), its console in ``log_path``; yields its base URL until it is stopped."""
     port = _free_port()
-    workdir = server_log.parent  # outside the checkout: nothing imports from it
-    log_path = server_log
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the server as users run it
     argv = [
-        str(wheel_venv / "bin" / "vllm-dspark"),
+        str(venv / "bin" / "vllm-dspark"),
         "serve-cpu",
-        str(dspark_models["target"]),
+        str(target),
         "--drafter",
-        str(dspark_models["drafter"]),
+        str(drafter),
         "--port",
         str(port),
         "--max-model-len",
         "128",
     ]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            argv, cwd=log_path.parent, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -130,6 +133,11 @@ def server(wheel_venv: Path, dspark_models: dict[str, Path], server_log: Path) -
             proc.wait()
 
 
+@pytest.fixture(scope="module")
+def server(wheel_venv: Path, dspark_models: dict[str, Path], server_log: Path) -> Iterator[str]:
+    yield from _serve(wheel_venv, dspark_models["target"], dspark_models["drafter"], server_log)
+
+
 def test_the_server_logs_that_the_plugin_overrides_the_in_tree_drafter(
     server: str, server_log: Path
 ) -> None:
@@ -153,9 +161,14 @@ def test_the_server_runs_the_installed_wheel_not_the_checkout(wheel_venv: Path, 
 def test_bench_acceptance_reports_the_real_dspark_servers_own_counters(
     server, dspark_models, tmp_path, capsys
 ) -> None:
-    model = str(dspark_models["target"])
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
+    _check_bench_acceptance(server, str(dspark_models["target"]), prompts, capsys)
+
+
+def _check_bench_acceptance(server: str, model: str, prompts: Path, capsys) -> None:
+    """``bench-acceptance`` over ``prompts`` reports exactly the server's counter deltas."""
+    count = len(prompts.read_text().splitlines())
     before = bench.parse_spec_counters(_get(f"{server}/metrics"), model)
     assert before is not None, "the server exports no spec-decode counters"
     rc = bench.main(
@@ -176,8 +189,8 @@ def test_bench_acceptance_reports_the_real_dspark_servers_own_counters(
     report = json.loads(capsys.readouterr().out)
     after = bench.parse_spec_counters(_get(f"{server}/metrics"), model)
 
-    assert rc == 0 and report["requests"] == {"completed": len(PROMPTS), "failed": 0, "errors": []}
-    assert report["output_tokens"] == MAX_TOKENS * len(PROMPTS)
+    assert rc == 0 and report["requests"] == {"completed": count, "failed": 0, "errors": []}
+    assert report["output_tokens"] == MAX_TOKENS * count
     # The client's figures are the server's counter deltas over the run, exactly (as JSON: string keys).
     delta = after - before
     assert report["raw_counter_deltas"] == json.loads(json.dumps(asdict(delta)))
@@ -187,3 +200,46 @@ def test_bench_acceptance_reports_the_real_dspark_servers_own_counters(
     assert (
         acceptance["num_accepted_tokens"] == delta.accepted == sum(delta.accepted_per_pos.values())
     )
+
+
+def test_serve_cpu_gives_a_kimi_k3_target_without_a_tokenizer_skip_tokenizer_init() -> None:
+    """The dry run on the K3 pair: vLLM's own parser reads its command, ``--skip-tokenizer-init``
+    included (vLLM's Kimi-K3 renderer would load a tokenizer the random target does not have); the
+    DeepSeek-V3 pair, which has one, gets no such flag."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = ServeSubcommand().subparser_init(FlexibleArgumentParser(prog="vllm").add_subparsers())
+
+    def dry_run(pair: Path) -> tuple[list[str], str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "vllm_dspark.tools.cli", "serve-cpu", str(pair / "target"),
+             "--drafter", str(pair / "drafter"), "--dry-run"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        argv = proc.stdout.split("\0")[:-1]
+        return argv[argv.index("--model") + 1 :], proc.stderr
+
+    k3, note = dry_run(K3_PAIR)
+    args = parser.parse_args(k3)
+    assert args.skip_tokenizer_init and args.speculative_config["model"] == str(K3_PAIR / "drafter")
+    assert "KimiK3ForConditionalGeneration without a tokenizer" in note
+    deepseek, note = dry_run(ROOT / "tests" / "data" / "pair")
+    assert not parser.parse_args(deepseek).skip_tokenizer_init and note == ""
+
+
+@pytest.fixture(scope="module")
+def k3_server(wheel_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("serve_cpu_k3") / "server.log"
+    yield from _serve(wheel_venv, K3_PAIR / "target", K3_PAIR / "drafter", log)
+
+
+@pytest.mark.long
+def test_serve_cpu_serves_the_kimi_k3_pair(k3_server: str, tmp_path: Path, capsys) -> None:
+    """The OpenAI server on the trained Kimi-K3 pair, token-id prompts (its held-out ones), started with
+    --skip-tokenizer-init by serve-cpu: the dspark speculator drafts, and bench-acceptance's figures are
+    the server's own."""
+    held_out = json.loads((K3_PAIR / "heldout_prompts.json").read_text())["prompts"][:2]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p["token_ids"]}) + "\n" for p in held_out))
+    _check_bench_acceptance(k3_server, str(K3_PAIR / "target"), prompts, capsys)

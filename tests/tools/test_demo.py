@@ -76,11 +76,9 @@ def test_verdict_per_drafter(
     assert bf16["tau"] == pytest.approx(1 + 5 / 3)
 
 
-def test_the_demo_names_the_target_it_serves_by_architecture_and_path(tmp_path: Path) -> None:
-    from vllm_dspark.checkpoint_tools.kimi_k3_target import make_kimi_k3_target
-
+def test_the_demo_names_the_target_it_serves_by_architecture_and_path() -> None:
+    k3 = PAIR.with_name("pair-k3") / "target"  # train-pair --target kimi-k3's
     assert demo.served_target(PAIR / "target") == f"DeepseekV3ForCausalLM at {PAIR / 'target'}"
-    k3 = make_kimi_k3_target(tmp_path / "k3", hidden_size=128, vocab_size=512)
     assert demo.served_target(k3) == f"KimiK3ForConditionalGeneration at {k3}"
 
 

@@ -250,15 +250,27 @@ def sample_anchors(batch: int, length: int, count: int, block: int, generator) -
 
 
 def drafter_loss(drafter, target, ids: torch.Tensor, anchors: torch.Tensor) -> dict:
-    """The DSpark loss of one batch and its parts; ``accepted [B*A, N]`` is the greedy match."""
+    """The DSpark loss of one batch on a transformers ``target``'s logits and aux states."""
+    target_logits, aux = target_states(
+        target, ids, drafter.config.target_layer_ids, aux_dtype=torch.float32
+    )
+    return dspark_loss(drafter, ids, anchors, target_logits, aux)
+
+
+def dspark_loss(
+    drafter,
+    ids: torch.Tensor,
+    anchors: torch.Tensor,
+    target_logits: torch.Tensor,
+    aux: torch.Tensor,
+) -> dict:
+    """The DSpark loss of one batch and its parts, given the target's ``logits [B, T, V]`` and ``aux
+    [B, T, W]`` over ``ids [B, T]``; ``accepted [B*A, N]`` is the greedy match."""
     from vllm_dspark.ops.sampling import markov_rollout
 
     config = drafter.config
     batch, length = ids.shape
     block = config.draft_block_size
-    target_logits, aux = target_states(
-        target, ids, config.target_layer_ids, aux_dtype=torch.float32
-    )
     positions = torch.arange(length).expand(batch, length)
     context_kv = drafter.context_kv(drafter.combine_hidden_states(aux), positions)
     hidden = drafter.blocks_hidden(ids, anchors, context_kv).flatten(0, 1)  # [B*A, N, H]
@@ -292,13 +304,36 @@ def drafter_loss(drafter, target, ids: torch.Tensor, anchors: torch.Tensor) -> d
 
 
 def build_drafter(target, mask_token_id: int, sizes: PairSizes, seed: int, causal: bool = False):
-    """A trainable FP32 :class:`ReferenceDrafter` like ``target``; its shared heads stay frozen."""
+    """A trainable FP32 :class:`ReferenceDrafter` like a transformers ``target``; its shared heads stay frozen."""
+    return drafter_like(
+        target.config.to_dict(),
+        target.model.embed_tokens.weight.detach(),
+        target.lm_head.weight.detach(),
+        mask_token_id=mask_token_id,
+        num_layers=sizes.draft_layers,
+        seed=seed,
+        causal=causal,
+    )
+
+
+def drafter_like(
+    target_config: dict,
+    embed_tokens: torch.Tensor,
+    lm_head: torch.Tensor,
+    *,
+    mask_token_id: int,
+    num_layers: int,
+    seed: int,
+    causal: bool = False,
+):
+    """A trainable FP32 :class:`ReferenceDrafter` for a target's config.json and shared heads (frozen),
+    and its config.json."""
     from vllm_dspark.checkpoint_tools.make_random import like_config_json, random_drafter_tensors
     from vllm_dspark.config import K3DSparkConfig
     from vllm_dspark.fields import DEFAULT_DRAFT_BLOCK
     from vllm_dspark.reference.drafter import ReferenceDrafter
 
-    config_json = like_config_json(target.config.to_dict(), num_layers=sizes.draft_layers)
+    config_json = like_config_json(target_config, num_layers=num_layers)
     # The block it is trained on is known, so the config states it; a causal block as Block5 / K3.1-Pro.
     config_json.update(mask_token_id=mask_token_id, block_size=DEFAULT_DRAFT_BLOCK)
     if causal:
@@ -306,10 +341,7 @@ def build_drafter(target, mask_token_id: int, sizes: PairSizes, seed: int, causa
     config = K3DSparkConfig(**config_json)
     state = {k: v.float() for k, v in random_drafter_tensors(config, seed=seed)}
     drafter = ReferenceDrafter.from_state_dict(
-        config,
-        state,
-        embed_tokens=target.model.embed_tokens.weight.detach(),
-        lm_head=target.lm_head.weight.detach(),
+        config, state, embed_tokens=embed_tokens.float(), lm_head=lm_head.float()
     )
     for name, param in drafter.named_parameters():
         param.requires_grad_(name not in ("embed_tokens.weight", "lm_head.weight"))

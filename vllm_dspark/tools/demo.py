@@ -11,8 +11,7 @@
    speculation's or parts from it at a near-tie (printed with its top-2 logprob gap), FAIL otherwise
    (exit status 1).
 
-A Kimi-K3 pair (``--pair tests/data/pair-k3``) is served the same way; its target has no tokenizer,
-so the sample shows token ids.
+A target without a tokenizer (``train-pair --target kimi-k3``'s) has its sample shown as token ids.
 
 The console shows only these steps and results; vLLM's logs, progress bars and everything else the
 libraries write go to ``--out``/vllm.log. ``--out`` also gets ``results.json``.

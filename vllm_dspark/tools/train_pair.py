@@ -37,6 +37,15 @@ def build_parser() -> ArgumentParser:
         help="a pair this command wrote: reuse its target and tokenizer (OUT/target links to it) "
         "and train only a drafter",
     )
+    parser.add_argument(
+        "--target",
+        choices=["deepseek-v3", "kimi-k3"],
+        default="deepseek-v3",
+        help="deepseek-v3: train both on the stdlib (default); kimi-k3: a random Kimi-K3 target and a "
+        "drafter distilled on the aux states and logits vLLM computes for it on CPU, its τ then "
+        "measured through vLLM's dspark speculator (tests/data/pair-k3; the size flags below are "
+        "the DeepSeek-V3 run's)",
+    )
     add_shared(parser, seed=True, overwrite=True, progress=True)
     defaults = PairSizes()
     for field in fields(PairSizes):
@@ -55,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.minutes is not None and args.minutes <= 0:
         raise ValueError(f"--minutes must be > 0, got {args.minutes}. Fix: pass a positive number.")
-    sizes = PairSizes(**{f.name: getattr(args, f.name) for f in fields(PairSizes)})
     command = "vllm-dspark train-pair " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.target == "kimi-k3":
+        return _kimi_k3(args, command.strip())
+    sizes = PairSizes(**{f.name: getattr(args, f.name) for f in fields(PairSizes)})
     log = train_pair(
         args.out,
         sizes,
@@ -79,6 +90,27 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {args.out} in {log['train_seconds'] / 60:.1f} min: {target}, drafter "
         f"{log['drafter']['steps_run']} steps; held-out greedy tau {check['tau']:.2f} over "
         f"{check['steps']} blocks"
+    )
+    return 0
+
+
+def _kimi_k3(args, command: str) -> int:
+    from vllm_dspark.pair.k3 import K3PairSizes, train_k3_pair
+
+    log = train_k3_pair(
+        args.out,
+        K3PairSizes(),
+        seed=args.seed,
+        progress=not args.no_progress,
+        overwrite=args.overwrite,
+        command=command,
+    )
+    m = log["measured"]
+    tau = "-" if m["tau"] is None else f"{m['tau']:.2f}"
+    print(
+        f"wrote {args.out} in {log['train_seconds'] / 60:.1f} min: drafter "
+        f"{log['drafter']['steps_run']} steps; τ through vLLM {tau} over {m['drafts']} drafts "
+        f"(greedy text: {', '.join(m['greedy'])})"
     )
     return 0
 
