@@ -53,7 +53,8 @@ LATENT_RTOL = 2e-2
 # recurrence, tests/math/test_kda.py), where decoding ran the recurrent one: top-2 logprob gaps under
 # this are ties between the two paths (the random target's gaps are often 0.1 to 0.3).
 KDA_PATHS_TIE = 0.5
-# vLLM's interpreted AttnRes kernel against the torch mixture: BF16 output rounding, ~3e-3.
+# vLLM's interpreted AttnRes kernel against the torch mixture: BF16 output rounding, ~2e-3; the
+# prefix lies 0.6 to 0.95 away from the mixture (relative L2) at these taps.
 MIXTURE_RTOL = 2e-2
 
 
