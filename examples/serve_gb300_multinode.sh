@@ -6,7 +6,8 @@
 # Serve Kimi-K3 with the DSpark drafter on 4 nodes x 4 GB300 (tensor-parallel 16) with vLLM's
 # multiprocessing multi-node launch: every node runs this script with its own NODE_RANK; node 0
 # serves the OpenAI API, nodes 1-3 run headless workers. (vLLM's Ray path works as well; see
-# docs/serving.md.)
+# docs/serving.md.) tests/serving/test_multinode.py runs this launch (NNODES=2, TP 2) on one CPU
+# machine, two "nodes" on 127.0.0.1 (docs/compatibility.md#several-processes-on-cpu-tp-4-and-the-two-node-launch).
 #
 #   node 0:     NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash serve_gb300_multinode.sh
 #   nodes 1-3:  NODE_RANK=1 MASTER_ADDR=10.0.0.1 bash serve_gb300_multinode.sh    (2, 3 likewise)
