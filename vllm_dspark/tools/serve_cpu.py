@@ -138,16 +138,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model")
 
 
 def target_flags(model: str) -> list[str]:
-    """The server flags a local target needs: ``--skip-tokenizer-init`` for a Kimi-K3 target
-    without a tokenizer (vLLM's Kimi-K3 renderer would load one), none otherwise."""
+    """The server flags a local Kimi-K3 target needs, none for others: no prefix caching (with it,
+    vLLM sets a KDA state block size that its CPU config then refuses), and ``--skip-tokenizer-init``
+    without a tokenizer (vLLM's Kimi-K3 renderer would load one)."""
     config = Path(model, "config.json")
     if not config.is_file() or KIMI_K3 not in json.loads(config.read_text()).get(
         "architectures", []
     ):
         return []
-    if any(Path(model, name).is_file() for name in TOKENIZER_FILES):
-        return []
-    return ["--skip-tokenizer-init"]
+    flags = ["--no-enable-prefix-caching"]
+    if not any(Path(model, name).is_file() for name in TOKENIZER_FILES):
+        flags.append("--skip-tokenizer-init")
+    return flags
 
 
 def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
