@@ -169,3 +169,79 @@ def test_context_gather_reads_back_each_requests_latents() -> None:
         [latents[r][int(starts[r]) : int(starts[r]) + n] for r, n in enumerate(lens)]
     )
     assert torch.equal(dst[:14], expected) and not dst[14:].any()
+
+
+def _context_chunk(q_lens: list[int], kv_lens: list[int]):
+    """vLLM's ``ContextChunk`` for requests with these query and context lengths (one chunk, from 0)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillMetadata
+
+    def cu(lens: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+    return MLACommonPrefillMetadata.ContextChunk(
+        index=0,
+        request_slice=slice(0, len(q_lens)),
+        token_slice=slice(0, sum(q_lens)),
+        continuation_token_end=0,
+        is_continuation=False,
+        num_context_tokens=sum(kv_lens),
+        query_start_loc=cu(q_lens),
+        max_query_len=max(q_lens),
+        cu_seq_lens=cu(kv_lens),
+        starts=torch.zeros(len(q_lens), dtype=torch.int32),
+        max_seq_len=max(kv_lens),
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        token_to_seq=torch.repeat_interleave(torch.arange(len(kv_lens)), torch.tensor(kv_lens)),
+        all_rows_active=True,
+    )
+
+
+def _context_chunk_case():
+    """CPU_SDPA_MLA on two requests' queries (3 and 1 tokens) over their contexts (5 and 2), BF16."""
+    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+
+    heads, qk, dv, scale = 2, 6, 4, 0.4
+    backend = CPUSDPAMLAPrefillBackend(heads, scale, 8, 4, 2, dv, vllm_config=None)
+    torch.manual_seed(5)
+    q_lens, kv_lens = [3, 1], [5, 2]
+    q = torch.randn(sum(q_lens), heads, qk, dtype=torch.bfloat16)
+    k = torch.randn(sum(kv_lens), heads, qk, dtype=torch.bfloat16)
+    v = torch.randn(sum(kv_lens), heads, dv, dtype=torch.bfloat16)
+    return backend, _context_chunk(q_lens, kv_lens), q, k, v
+
+
+def _unpatched(method):
+    return getattr(method, "__wrapped__", method)
+
+
+def test_context_chunk_into_out_writes_the_partial_the_backend_returns() -> None:
+    """The patched method with ``out`` returns that very ``out`` (Kimi-K3's MLA asserts it) holding
+    what the unpatched one returns without it, and both equal non-causal attention in torch."""
+    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+
+    backend, chunk, q, k, v = _context_chunk_case()
+    original = _unpatched(CPUSDPAMLAPrefillBackend.run_prefill_context_chunk)
+    want, want_lse = original(backend, chunk, q, k, v)
+    patched = kimi_k3.context_chunk_into_out(original)
+    out = torch.full_like(want, float("nan"))
+    got, got_lse = patched(backend, chunk, q, k, v, out=out)
+    assert got is out and torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    no_out, no_out_lse = patched(backend, chunk, q, k, v)
+    assert torch.equal(no_out, want) and torch.equal(no_out_lse, want_lse)
+    for r, (qs, ks) in enumerate(zip([(0, 3), (3, 4)], [(0, 5), (5, 7)], strict=True)):
+        scores = torch.einsum("qhd,khd->hqk", q[slice(*qs)].float(), k[slice(*ks)].float()) * 0.4
+        attention = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[slice(*ks)].float())
+        torch.testing.assert_close(want[slice(*qs)].float(), attention, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(want_lse[:, slice(*qs)], scores.logsumexp(-1))
+
+
+@pytest.mark.upstream_bug
+def test_cpu_mla_context_chunk_promises_out_and_refuses_it() -> None:
+    """Pins vLLM's contradiction (0.32-0.34): ``supports_out()`` is True, yet a context chunk given
+    ``out`` asserts. When this fails, vLLM honours ``out`` and ``context_chunk_into_out`` can go."""
+    backend, chunk, q, k, v = _context_chunk_case()
+    original = _unpatched(type(backend).run_prefill_context_chunk)
+    assert backend.supports_out()
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=v.dtype)
+    with pytest.raises(AssertionError, match="does not support in-place output"):
+        original(backend, chunk, q, k, v, out=out)

@@ -49,10 +49,13 @@ def _kda_ops() -> None:
 
 
 def _mla_ops() -> None:
-    """The Kimi-K3 MLA layer's fused CUDA epilogues, and vLLM's latent gather, in torch."""
+    """The Kimi-K3 MLA layer's fused CUDA epilogues and vLLM's latent gather in torch; CPU MLA's
+    context-chunk prefill made to write the ``out`` the layer passes it."""
     import vllm_dspark.cpu_serving.kimi_k3_ops as ops
 
     _replace(compat.K3_MLA_PREFILL_EPILOGUE, ops.key_concat_cache_insert)
     _replace(compat.K3_MLA_CONTEXT_KV_CONCAT, ops.kv_concat)
     _replace(compat.K3_MLA_DECODE_EPILOGUE, ops.decode_q_concat_cache_insert)
     _replace(compat.GATHER_LATENT_CACHE, ops.gather_and_maybe_dequant_cache)
+    compat.CPU_MLA_CONTEXT_CHUNK_OUT.resolve()
+    compat.CPU_MLA_CONTEXT_CHUNK_OUT.wrap_once(ops.context_chunk_into_out)

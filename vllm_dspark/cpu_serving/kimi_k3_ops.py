@@ -1,9 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The torch ops :mod:`vllm_dspark.cpu_serving.kimi_k3` binds in place of vLLM's CUDA-only ones for the
-Kimi-K3 target: the KDA layer's state gather and short-conv update, the MLA layer's epilogues and
-vLLM's paged-latent gather (tests/math/test_kimi_k3_cpu_ops.py)."""
+Kimi-K3 target: the KDA layer's state gather and short-conv update, the MLA layer's epilogues,
+vLLM's paged-latent gather and CPU MLA's context-chunk prefill into ``out``
+(tests/math/test_kimi_k3_cpu_ops.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -168,3 +172,26 @@ def gather_and_maybe_dequant_cache(
     block_size = src_cache.shape[1]
     blocks = block_table[seq, pos // block_size].long()
     dst[:num_tokens] = src_cache[blocks, pos % block_size].to(dst.dtype)
+
+
+def context_chunk_into_out(
+    run_prefill_context_chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """CPU_SDPA_MLA's ``run_prefill_context_chunk``, which asserts ``out is None``, made to honour
+    ``out`` as its ``supports_out()`` promises: the partial computed as before, copied into ``out``."""
+
+    def run(
+        self: Any,
+        chunk: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        partial, lse = run_prefill_context_chunk(self, chunk, q, k, v)
+        if out is None:
+            return partial, lse
+        out.copy_(partial)
+        return out, lse
+
+    return run
