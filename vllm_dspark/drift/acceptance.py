@@ -69,7 +69,7 @@ def use_draft_kv(drafter, mode: str, checkpoint: Path) -> dict[str, Any]:
 # ----- prompts -----
 
 
-def _tokenizer(target: Path):
+def tokenizer(target: Path):
     from transformers import AutoTokenizer
 
     try:
@@ -107,14 +107,14 @@ def load_prompts(
             raise ValueError(
                 f"--prompts {path} holds no prompts. Fix: a list of strings or id lists."
             )
-        tokenizer = None
+        tok = None
         prompts = []
         for item in items:
             if isinstance(item, dict):
                 item = next((item[k] for k in ("token_ids", "prompt", "text") if k in item), None)
             if isinstance(item, str):
-                tokenizer = tokenizer or _tokenizer(target)
-                prompts.append(tokenizer.encode(item, add_special_tokens=False))
+                tok = tok or tokenizer(target)
+                prompts.append(tok.encode(item, add_special_tokens=False))
             elif isinstance(item, list) and item and all(isinstance(t, int) for t in item):
                 prompts.append(list(item))
             else:
@@ -125,7 +125,7 @@ def load_prompts(
         source = str(path)
     else:
         text_path = path or corpus.DEFAULT_CORPUS
-        ids = _tokenizer(target).encode(
+        ids = tokenizer(target).encode(
             text_path.read_text(encoding="utf-8"), add_special_tokens=False
         )
         starts = corpus.window_starts(len(ids), length, count, seed)
@@ -275,6 +275,46 @@ def speculate(
 # ----- figures -----
 
 
+def open_variant(
+    name: str, spec: AcceptSpec, config, heads, reference
+) -> tuple[Any, str, str, dict[str, Any]]:
+    """One variant's drafter with its draft KV applied: the drafter, its source, its label, its draft-KV record."""
+    from vllm_dspark.drift.variants import load_variant, variant_label
+
+    if name == "fp32":
+        drafter, source = reference, "the FP32 reference"
+    else:
+        drafter, source = load_variant(name, str(spec.drafter), config, heads, reference)
+    checkpoint = Path(name) if Path(name).is_dir() else spec.drafter
+    return drafter, source, variant_label(name), use_draft_kv(drafter, spec.draft_kv, checkpoint)
+
+
+def speculate_prompts(
+    target: Target,
+    drafter,
+    prompts: list[list[int]],
+    spec: AcceptSpec,
+    token_cost: float | None,
+    bar,
+) -> list[PromptRecord]:
+    """One record per prompt, each seeded by its index; ``bar`` advances a step per prompt."""
+    records = []
+    for i, prompt in enumerate(prompts):
+        records.append(
+            speculate(
+                target,
+                drafter,
+                prompt,
+                max_tokens=spec.max_tokens,
+                temperature=spec.temperature,
+                seed=spec.seed * 1_000_003 + i,
+                token_cost=token_cost,
+            )
+        )
+        bar.update(1)
+    return records
+
+
 def summarize(records: list[PromptRecord], block: int, resamples: int, seed: int) -> dict[str, Any]:
     """τ, per-position acceptance, the confidence AUC and the verify cost, with CIs over prompts."""
     idx = metrics.bootstrap_indices(len(records), resamples, seed)
@@ -331,7 +371,7 @@ def summarize(records: list[PromptRecord], block: int, resamples: int, seed: int
 
 def run(spec: AcceptSpec) -> dict[str, Any]:
     from vllm_dspark.drift.harness import versions
-    from vllm_dspark.drift.variants import load_reference, load_variant, variant_label
+    from vllm_dspark.drift.variants import load_reference
 
     config, reference, heads = load_reference(str(spec.drafter))
     target = Target(
@@ -360,31 +400,13 @@ def run(spec: AcceptSpec) -> dict[str, Any]:
     with tqdm(total=total, desc="accept", unit="prompt", disable=not spec.progress) as bar:
         for name in spec.variants:
             t0 = time.perf_counter()
-            if name == "fp32":
-                drafter, source_v = reference, "the FP32 reference"
-            else:
-                drafter, source_v = load_variant(name, str(spec.drafter), config, heads, reference)
-            label = variant_label(name)
-            checkpoint = Path(name) if Path(name).is_dir() else spec.drafter
-            draft_kv = use_draft_kv(drafter, spec.draft_kv, checkpoint)
+            drafter, source_v, label, draft_kv = open_variant(name, spec, config, heads, reference)
             timing[f"load_{label}_s"] = time.perf_counter() - t0
             for mode in modes:
                 t0 = time.perf_counter()
-                records = []
-                for i, prompt in enumerate(prompts):
-                    bar.set_postfix_str(f"{label} {mode}")
-                    records.append(
-                        speculate(
-                            target,
-                            drafter,
-                            prompt,
-                            max_tokens=spec.max_tokens,
-                            temperature=spec.temperature,
-                            seed=spec.seed * 1_000_003 + i,
-                            token_cost=spec.token_cost if mode == "scheduled" else None,
-                        )
-                    )
-                    bar.update(1)
+                bar.set_postfix_str(f"{label} {mode}")
+                cost = spec.token_cost if mode == "scheduled" else None
+                records = speculate_prompts(target, drafter, prompts, spec, cost, bar)
                 cell = {
                     "variant": label,
                     "mode": mode,
@@ -442,10 +464,10 @@ def markdown(results: dict[str, Any]) -> str:
         lossless = cell.get("lossless")
         lossless = "n/a" if lossless is None else f"{sum(lossless)}/{len(lossless)}"
         auc = cell["confidence_auc"]
-        auc_text = "n/a" if not np.isfinite(auc["value"]) else _fmt_pm(auc, 3)
+        auc_text = "n/a" if not np.isfinite(auc["value"]) else fmt_pm(auc, 3)
         lines.append(
-            f"| {cell['variant']} | {cell['mode']} | {_fmt_pm(cell['tau'])} | {per_pos} | "
-            f"{auc_text} | {_fmt_pm(cell['target_tokens_per_accepted'])} | {lossless} |"
+            f"| {cell['variant']} | {cell['mode']} | {fmt_pm(cell['tau'])} | {per_pos} | "
+            f"{auc_text} | {fmt_pm(cell['target_tokens_per_accepted'])} | {lossless} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -465,7 +487,7 @@ def _draft_kv_lines(results: dict[str, Any]) -> list[str]:
     ]
 
 
-def _fmt_pm(est: dict[str, float], digits: int = 2) -> str:
+def fmt_pm(est: dict[str, float], digits: int = 2) -> str:
     return f"{est['value']:.{digits}f} ± {(est['hi'] - est['lo']) / 2:.{digits}f}"
 
 
@@ -522,7 +544,7 @@ def write_report(results: dict[str, Any], out: Path) -> list[Path]:
 def summary_lines(results: dict[str, Any]) -> list[str]:
     """One line per measured cell: variant, mode and τ with its CI."""
     return [
-        f"{cell['variant']:>8} {cell['mode']:<9} τ {_fmt_pm(cell['tau'])}" + _kv_note(cell)
+        f"{cell['variant']:>8} {cell['mode']:<9} τ {fmt_pm(cell['tau'])}" + _kv_note(cell)
         for cell in results["cells"]
     ]
 

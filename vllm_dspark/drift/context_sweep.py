@@ -24,11 +24,11 @@ from tqdm import tqdm
 from vllm_dspark.drift.acceptance import (
     AcceptSpec,
     Target,
-    _fmt_pm,
-    _tokenizer,
-    speculate,
+    fmt_pm,
+    open_variant,
+    speculate_prompts,
     summarize,
-    use_draft_kv,
+    tokenizer,
 )
 from vllm_dspark.fields import validated_context_len
 from vllm_dspark.ops.speculation_cost import StepCost, break_even_context
@@ -83,7 +83,7 @@ def _padding_ids(spec: AcceptSpec, vocab_size: int) -> tuple[list[int], str]:
             f"--context-sweep pads prompts with real text; --prompts {path} is not a text file. "
             "Fix: pass a text file, or leave --prompts out for the package's corpus"
         )
-    ids = _tokenizer(spec.target).encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
+    ids = tokenizer(spec.target).encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
     if any(not 0 <= t < vocab_size for t in ids):
         raise ValueError(f"{path} tokenizes outside the drafter's vocabulary. Fix: use its target")
     return ids, str(spec.prompts) if spec.prompts else "the package's corpus.txt"
@@ -92,7 +92,7 @@ def _padding_ids(spec: AcceptSpec, vocab_size: int) -> tuple[list[int], str]:
 def run(sweep: SweepSpec) -> dict[str, Any]:
     """Every variant at every length: τ with CIs, the break-even τ there, and the break-even length."""
     from vllm_dspark.drift.harness import versions
-    from vllm_dspark.drift.variants import load_reference, load_variant, variant_label
+    from vllm_dspark.drift.variants import load_reference
 
     spec, lengths = sweep.accept, sorted(sweep.lengths)
     from transformers import AutoConfig
@@ -116,31 +116,12 @@ def run(sweep: SweepSpec) -> dict[str, Any]:
     with tqdm(total=total, desc="context sweep", unit="prompt", disable=not spec.progress) as bar:
         for name in spec.variants:
             t0 = time.perf_counter()
-            if name == "fp32":
-                drafter = reference
-            else:
-                drafter, _ = load_variant(name, str(spec.drafter), config, heads, reference)
-            label = variant_label(name)
-            checkpoint = Path(name) if Path(name).is_dir() else spec.drafter
-            draft_kv = use_draft_kv(drafter, spec.draft_kv, checkpoint)
+            drafter, _, label, draft_kv = open_variant(name, spec, config, heads, reference)
             timing[f"load_{label}_s"] = time.perf_counter() - t0
             for length in lengths:
                 bar.set_postfix_str(f"{label} {length}")
                 t0 = time.perf_counter()
-                records = []
-                for i, prompt in enumerate(prompts[length]):
-                    records.append(
-                        speculate(
-                            target,
-                            drafter,
-                            prompt,
-                            max_tokens=spec.max_tokens,
-                            temperature=spec.temperature,
-                            seed=spec.seed * 1_000_003 + i,
-                            token_cost=None,
-                        )
-                    )
-                    bar.update(1)
+                records = speculate_prompts(target, drafter, prompts[length], spec, None, bar)
                 s = summarize(records, config.draft_block_size, spec.resamples, spec.seed)
                 tau = s["tau"]["value"]
                 cells.append(
@@ -230,7 +211,7 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     for cell in results["cells"]:
         lines.append(
-            f"| {cell['variant']} | {cell['context']} | {_fmt_pm(cell['tau'])} | "
+            f"| {cell['variant']} | {cell['context']} | {fmt_pm(cell['tau'])} | "
             f"{cell['break_even_tau']:.3f} | {'yes' if cell['pays'] else 'no'} | "
             f"{_length_text(cell['pays_up_to'])} |"
         )
@@ -290,7 +271,7 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         f"step cost: {cost['source']} ({cost['fixed']:g} + {cost['per_context_token']:.3g} × L)"
     ]
     lines += [
-        f"{c['variant']:>8} L {c['context']:>7} τ {_fmt_pm(c['tau'])}  break-even τ "
+        f"{c['variant']:>8} L {c['context']:>7} τ {fmt_pm(c['tau'])}  break-even τ "
         f"{c['break_even_tau']:.3f}  {'pays' if c['pays'] else 'does not pay'}"
         for c in results["cells"]
     ]
