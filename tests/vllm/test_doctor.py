@@ -241,28 +241,35 @@ def test_backend_kv_dtype_support(drafter) -> None:
 
 
 def test_draft_and_target_kv_cache_dtypes_must_match(drafter, schema) -> None:
-    [f] = only(
-        diagnose(
-            spec(kv_cache_dtype="fp8"),
-            drafter=drafter,
-            engine=EngineFacts(kv_cache_dtype="auto"),
-            schema=schema,
-        ),
-        "kv_cache_dtype",
+    findings = diagnose(
+        spec(kv_cache_dtype="fp8"),
+        drafter=drafter,
+        engine=EngineFacts(kv_cache_dtype="auto"),
+        schema=schema,
     )
-    assert f.severity == "error" and "one dtype" in f.problem and 'drop "kv_cache_dtype"' in f.fix
-    assert (
-        only(
-            diagnose(
-                spec(kv_cache_dtype="fp8"),
-                drafter=drafter,
-                engine=EngineFacts(kv_cache_dtype="fp8"),
-                schema=schema,
-            ),
-            "kv_cache_dtype",
-        )
-        == []
+    [f] = [f for f in only(findings, "kv_cache_dtype") if f.severity == "error"]
+    assert "one dtype" in f.problem and 'drop "kv_cache_dtype"' in f.fix
+    matched = diagnose(
+        spec(kv_cache_dtype="fp8"),
+        drafter=drafter,
+        engine=EngineFacts(kv_cache_dtype="fp8"),
+        schema=schema,
     )
+    assert [f.severity for f in only(matched, "kv_cache_dtype")] == ["warning"]  # the scales, below
+
+
+def test_fp8_draft_kv_without_scales_is_a_warning(drafter, schema) -> None:
+    fp8 = EngineFacts(kv_cache_dtype="fp8")
+    [f] = only(diagnose(spec(), drafter=drafter, engine=fp8, schema=schema), "kv_cache_dtype")
+    assert f.severity == "warning" and "scale 1.0" in f.problem
+    assert "vllm-dspark quantize --kv-cache-scheme fp8" in f.fix
+    # A build with calibrated scales, a BF16 cache and an unknown drafter: nothing to say.
+    from vllm_dspark.checkpoint.kv_scales import KV_CACHE_SCHEME
+
+    scaled = dict(drafter, quantization_config={"kv_cache_scheme": dict(KV_CACHE_SCHEME)})
+    assert only(diagnose(spec(), drafter=scaled, engine=fp8, schema=schema), "kv_cache_dtype") == []
+    assert only(diagnose(spec(), drafter=drafter, schema=schema), "kv_cache_dtype") == []
+    assert only(diagnose(spec(), drafter=None, engine=fp8, schema=schema), "kv_cache_dtype") == []
 
 
 # ----- draft_sample_method x rejection_sample_method -----
@@ -958,13 +965,19 @@ def test_a_valid_kv_balanced_config_passes() -> None:
     def problems(*args, **kwargs) -> list[Finding]:  # notes say what will run, not what is wrong
         return [f for f in diagnose(*args, **kwargs) if f.severity != "note"]
 
+    from vllm_dspark.checkpoint.kv_scales import KV_CACHE_SCHEME
+
+    # The backend's fp8 pages want the draft's KV scales: a build that has them passes clean.
+    scaled = dict(K3, quantization_config={"kv_cache_scheme": dict(KV_CACHE_SCHEME)})
     for dtype in ("auto", "bfloat16", "bf16"):
         engine = EngineFacts(kv_cache_dtype="fp8", dtype=dtype)
-        assert problems(KV_BALANCED, drafter=K3, engine=engine, machine=GB300) == [], dtype
+        assert problems(KV_BALANCED, drafter=scaled, engine=engine, machine=GB300) == [], dtype
+        [f] = problems(KV_BALANCED, drafter=K3, engine=engine, machine=GB300)
+        assert f.severity == "warning" and f.where == "kv_cache_dtype" and "scale 1.0" in f.problem
     assert (
         problems(
             dict(KV_BALANCED, kv_cache_dtype="fp8_e4m3"),
-            drafter=K3,
+            drafter=scaled,
             engine=EngineFacts(kv_cache_dtype="fp8_e4m3"),
             machine=GB300,
         )

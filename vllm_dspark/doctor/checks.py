@@ -449,10 +449,35 @@ def check_kv_cache_dtype(
     schema: VllmSchema | None,
     dsa_target: bool = False,
     machine: MachineFacts | None = None,
+    drafter: Mapping[str, Any] | None = None,
 ) -> list[Finding]:
-    """The draft's KV-cache dtype against the target's and, on a CPU run, the CPU draft layer."""
+    """The draft's KV-cache dtype against the target's, its scales and, on a CPU run, the CPU draft layer."""
     cpu = _cpu_kv_cache_dtype(spec, engine) if machine is not None and machine.cpu else []
-    return cpu + _draft_kv_cache_dtype(spec, engine, schema, dsa_target)
+    # Where a CPU run already refuses fp8 pages, their scales are moot.
+    scales = [] if cpu else _draft_kv_scales(spec, engine, drafter)
+    return cpu + _draft_kv_cache_dtype(spec, engine, schema, dsa_target) + scales
+
+
+def _draft_kv_scales(
+    spec: Mapping[str, Any], engine: EngineFacts, drafter: Mapping[str, Any] | None
+) -> list[Finding]:
+    """fp8 draft pages on a drafter without KV scales run at scale 1.0, where acceptance falls (a warning)."""
+    effective = spec.get("kv_cache_dtype") or engine.kv_cache_dtype
+    quant = (drafter or {}).get("quantization_config")
+    if drafter is None or not str(effective).startswith("fp8"):
+        return []
+    if isinstance(quant, Mapping) and quant.get("kv_cache_scheme"):
+        return []
+    return [
+        Finding(
+            f"KV-cache dtype {effective!r} stores the draft's latents in FP8, and the drafter has no KV-cache "
+            "scales (quantization_config.kv_cache_scheme), so every draft layer runs at scale 1.0; measure "
+            "what that costs with `vllm-dspark accept --draft-kv fp8`",
+            "calibrate per-layer scales with `vllm-dspark quantize --kv-cache-scheme fp8` and serve that build",
+            "kv_cache_dtype",
+            severity="warning",
+        )
+    ]
 
 
 def _cpu_kv_cache_dtype(spec: Mapping[str, Any], engine: EngineFacts) -> list[Finding]:
@@ -1004,7 +1029,7 @@ def diagnose(
         findings += check_context(spec, drafter, engine, target, schema and schema.version)
     findings += check_sampling(spec, schema, engine, drafter)
     dsa = is_dsa_target(target)
-    findings += check_kv_cache_dtype(spec, engine, schema, dsa, machine)
+    findings += check_kv_cache_dtype(spec, engine, schema, dsa, machine, drafter)
     findings += check_attention_backend(spec, engine, schema, machine, drafter)
     findings += check_adaptive_verification(spec, engine, drafter, machine)
     findings += check_specialized_decode(engine, drafter, schema)
