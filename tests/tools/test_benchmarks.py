@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SMOKE_ARGS: dict[str, list[str]] = {
     "reference": ["--preset", "tiny", "--pairs", "1", "--warmup", "0", "--context-len", "8"],
-    "fp8-linear": ["--preset", "tiny", "--pairs", "1"],
+    "fp8-linear": ["--preset", "tiny", "--pairs", "1", "--warmup", "0"],
     "quantizer": ["--preset", "tiny", "--pairs", "1", "--warmup", "0"],
     "drift-speed": ["--preset", "tiny", "--batch-size", "4", "--pairs", "1", "--warmup", "0"],
     "register": ["--pairs", "1", "--warmup", "0"],

@@ -101,7 +101,8 @@ def _rank(rank: int, tp: int, port: int, checkpoints: dict[str, Path], out: Path
     torch.save(drafted, out / f"rank{rank}.pt")
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+# TP 4 (four processes on two cores, ~40 s) runs with the other multi-process runs: make test-long.
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_sharded_context_proj_drafts_the_reference_block(
     tmp_path: Path, checkpoints: dict[str, Path], tp: int
 ) -> None:
