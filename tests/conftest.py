@@ -28,12 +28,62 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _slow_first(items)
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# The slowest modules, slowest first (measured with --durations): queued first, so the other worker
+# takes the many short modules meanwhile and neither is left with a long tail.
+SLOW_FIRST = (
+    "tests/tools/test_benchmarks.py",
+    "tests/serving/test_dspark_serving.py",
+    "tests/serving/test_kimi_k3_serving.py",
+    "tests/math/test_kda.py",
+    "tests/serving/test_acceptance_guard.py",
+    "tests/vllm/test_plugin.py",
+    "tests/project/test_install.py",
+    "tests/tools/test_demo.py",
+    "tests/vllm/test_model_w8a8.py",
+    "tests/vllm/test_engine.py",
+)
+# Modules that run on one worker, one after the other: they start several vLLM processes each.
+SHARED_GROUPS = {
+    "tests/serving/test_multinode.py": "multiprocess",
+    "tests/serving/test_prod_geometry_serving.py": "multiprocess",
+    "tests/vllm/test_tp_context_proj.py": "multiprocess",
+    "tests/vllm/test_tp2.py": "multiprocess",
+}
+
+
+def xdist_group(nodeid: str) -> str:
+    """The unit ``make test``'s two workers share out: a module (its module fixtures, an engine's
+    answers, are built once), or a group of modules from ``SHARED_GROUPS``."""
+    module = nodeid.split("::")[0]
+    return SHARED_GROUPS.get(module, module)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """pytest-xdist's loadscope scheduling by :func:`xdist_group` (its loadgroup reads a node id
+    suffix that pytest 9 no longer lets a plugin set)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return ByGroup(config, log)
+
+
+def _slow_first(items: list[pytest.Item]) -> None:
+    """Order the items so the slowest modules are queued first (a stable sort: a module keeps its order)."""
+    rank = {module: i for i, module in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -23,45 +22,10 @@ import pytest
 
 from benchmarks.common import MIN_PAIRS, interleaved, meets, paired, rounds, spread, spread_text
 from benchmarks.registry import BENCHMARKS
+from tests.support.bench_smoke import RENDERED, SMOKE_ARGS
+from tests.support.child import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
-
-SMOKE_ARGS: dict[str, list[str]] = {
-    "reference": ["--preset", "tiny", "--pairs", "1", "--warmup", "0", "--context-len", "8"],
-    "fp8-linear": ["--preset", "tiny", "--pairs", "1", "--warmup", "0"],
-    "quantizer": ["--preset", "tiny", "--pairs", "1", "--warmup", "0"],
-    "drift-speed": ["--preset", "tiny", "--batch-size", "4", "--pairs", "1", "--warmup", "0"],
-    "register": ["--pairs", "1", "--warmup", "0"],
-    "check": ["--pairs", "1", "--warmup", "0"],
-    "draft-bytes": ["--preset", "prod-geometry-small", "--tp", "4"],
-    "drift": ["--preset", "tiny", "--blocks", "8"],
-    "drift-positions": ["--preset", "tiny", "--blocks", "4"],
-    "pair": [
-        "--prompts",
-        "2",
-        "--max-tokens",
-        "4",
-        "--blocks",
-        "4",
-        "--pairs",
-        "2",
-        "--warmup",
-        "0",
-    ],
-    "draft-kv": ["--prompts", "2", "--max-tokens", "4"],
-    "context-sweep": [
-        "--lengths",
-        "16",
-        "64",
-        "--prompts",
-        "2",
-        "--max-tokens",
-        "4",
-        "--variants",
-        "fp32",
-    ],
-}
-
 
 # Smoke-run where their input already exists: e2e-cpu tabulates the end-to-end run of
 # tests/serving/test_dspark_serving.py, which takes minutes to make.
@@ -317,36 +281,40 @@ def test_every_benchmark_has_a_smoke_run() -> None:
     assert set(BENCHMARKS) == set(SMOKE_ARGS) | SMOKED_ELSEWHERE
 
 
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every smoke run, in one child process (``tests/support/bench_smoke.py``); their output folder."""
+    out = tmp_path_factory.mktemp("bench_smoke")
+    run_script("tests.support.bench_smoke", out, timeout=1800)
+    return out
+
+
 @pytest.mark.parametrize("name", list(SMOKE_ARGS))
-def test_benchmark_runs_at_the_tiny_preset(name: str, tmp_path: Path) -> None:
-    env = dict(os.environ, VLLM_DSPARK_BENCH_RESULTS=str(tmp_path))
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks", name, *SMOKE_ARGS[name]],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+def test_benchmark_runs_at_the_tiny_preset(smoke_runs: Path, name: str) -> None:
+    out = smoke_runs
+    codes = json.loads((out / "exit_codes.json").read_text())
+    stdout = (out / f"{name}.stdout").read_text()
+    assert codes[name] == 0, stdout[-4000:]
     result_name = BENCHMARKS[name].result
-    result = json.loads((tmp_path / f"{result_name}.json").read_text())
+    result = json.loads((out / f"{result_name}.json").read_text())
     assert result["benchmark"] == result_name
     assert "environment" in result
     check_arithmetic(result_name, result, committed=False)
-    table = (tmp_path / f"{result_name}.md").read_text()
+    table = (out / f"{result_name}.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("|")]
     assert len(rows) >= 3, table  # header, separator and at least one row
-    assert rows[0] in out.stdout  # the table is printed too
+    assert rows[0] in stdout  # the table is printed too
     if name == "drift-speed":
-        assert "time vs reference" in table and not (tmp_path / "drift_speed").exists()
+        assert "time vs reference" in table and not (out / "drift_speed").exists()
     if name.startswith("drift") and name != "drift-speed":
-        assert (tmp_path / result_name / "results.json").exists()
+        assert name in RENDERED and (out / result_name / "results.json").exists()
         # --render rewrites the headline from the report alone, byte for byte.
-        written = {p: p.read_bytes() for p in tmp_path.glob(f"{result_name}.*")}
-        rerun = [sys.executable, "-m", "benchmarks", name, *SMOKE_ARGS[name], "--render"]
-        subprocess.run(rerun, cwd=ROOT, env=env, check=True, capture_output=True, timeout=120)
-        assert {p: p.read_bytes() for p in written} == written
+        assert codes[f"{name} --render"] == 0
+        kept = sorted((out / "before-render").glob(f"{result_name}.*"))
+        assert kept
+        assert {p.name: p.read_bytes() for p in kept} == {
+            p.name: (out / p.name).read_bytes() for p in kept
+        }
 
 
 def test_readme_benchmark_section_is_generated_from_committed_results() -> None:
