@@ -19,12 +19,13 @@ from __future__ import annotations
 import importlib
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.support.child import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 PAD = 8  # margin elements before and after each buffer and after each row
@@ -113,15 +114,13 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     src, dst = tmp / "inputs.pt", tmp / "results.pt"
     # One save: the views keep sharing their buffers.
     torch.save(cases, src)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.math.test_attn_res", str(src), str(dst)],
-        cwd=ROOT,
+    run_script(
+        "tests.math.test_attn_res",
+        src,
+        dst,
         env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return {"given": cases, "got": torch.load(dst, weights_only=False)}
 
 

@@ -13,7 +13,6 @@ test pins each gap the patches cover.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tests.support.child import run_script
 from vllm_dspark.ops.kda import kda_gate, kda_prefill
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,15 +188,14 @@ def _worker(mode: str, src: str, dst: str) -> None:
 def _interpreted(mode: str, inputs: dict, tmp: Path) -> dict:
     src, dst = tmp / f"{mode}-inputs.pt", tmp / f"{mode}-results.pt"
     torch.save(inputs, src)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.math.test_kda", mode, str(src), str(dst)],
-        cwd=ROOT,
+    run_script(
+        "tests.math.test_kda",
+        mode,
+        src,
+        dst,
         env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return torch.load(dst, weights_only=False)
 
 
