@@ -32,17 +32,47 @@ def test_the_committed_k3_pair_matches_its_manifest_and_is_small() -> None:
     assert sum(entry["bytes"] for entry in manifest.values()) <= 8 * 2**20
 
 
-def test_the_committed_k3_target_is_the_makers(tmp_path: Path) -> None:
-    """The target is ``make-random --target kimi-k3``'s maker at the pair's sizes and seed, byte for byte."""
+def _made_k3_target_digests(out: Path) -> dict[str, str]:
     from vllm_dspark.checkpoint_tools.kimi_k3_target import make_kimi_k3_target
 
     log = json.loads((K3_PAIR / "train_log.json").read_text())
     assert log["target_config"] == k3.TARGET_CONFIG
-    made = make_kimi_k3_target(tmp_path / "target", seed=log["seed"], **log["target_config"])
-    committed = sorted(p.name for p in (K3_PAIR / "target").iterdir())
-    assert committed == sorted(p.name for p in made.iterdir())
-    for name in committed:
-        assert _sha256(made / name) == _sha256(K3_PAIR / "target" / name), name
+    made = make_kimi_k3_target(out, seed=log["seed"], **log["target_config"])
+    return {p.name: _sha256(p) for p in sorted(made.iterdir())}
+
+
+def test_the_committed_k3_target_is_the_makers(tmp_path: Path) -> None:
+    """The target is ``make-random --target kimi-k3``'s maker at the pair's sizes and seed, byte for byte,
+    on every host: its transcendental functions run in float64 and are rounded once, so MKL's
+    CPU-dispatched float32 kernels (which made this file's dt_bias differ between hosts) do not reach it."""
+    committed = {p.name: _sha256(p) for p in sorted((K3_PAIR / "target").iterdir())}
+    assert _made_k3_target_digests(tmp_path / "target") == committed
+
+
+MAKE_UNDER_MKL_PATH = """
+import json, sys
+from pathlib import Path
+from tests.tools.test_train_pair_k3 import _made_k3_target_digests
+print("RESULT", json.dumps(_made_k3_target_digests(Path(sys.argv[1]))))
+"""
+
+
+@pytest.mark.parametrize("mkl_path", ["COMPATIBLE", "AVX2"])
+def test_the_k3_target_does_not_follow_mkls_choice_of_kernels(
+    tmp_path: Path, mkl_path: str
+) -> None:
+    """Another host, here: MKL_CBWR pins MKL to an older CPU's code path, under which torch's float32
+    exp, log and expm1 gave 3 to 7 of this target's dt_bias values and up to 4 BF16 weights
+    otherwise than on a Xeon with AVX-512; the maker writes the committed bytes still."""
+    env = {**os.environ, "MKL_CBWR": mkl_path, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", MAKE_UNDER_MKL_PATH, str(tmp_path / "target")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    committed = {p.name: _sha256(p) for p in sorted((K3_PAIR / "target").iterdir())}
+    assert json.loads(line.removeprefix("RESULT ")) == committed
 
 
 def test_the_committed_k3_drafter_fits_its_target_and_was_measured_through_vllm() -> None:

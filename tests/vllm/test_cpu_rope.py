@@ -107,9 +107,12 @@ SCRIPT = textwrap.dedent(
     from vllm import LLM, SamplingParams
 
     prompts, spec = json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    # CPU_MLA, vLLM's reference path, on every host: on one with AMX tiles vLLM would pick AMX_MLA,
+    # which loads only bfloat16 weights.
     llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=128,
               max_num_seqs=4, enforce_eager=True, seed=0, speculative_config=spec,
-              enable_prefix_caching=False, disable_log_stats=False)
+              enable_prefix_caching=False, disable_log_stats=False,
+              attention_config={"backend": "CPU_MLA"})
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")

