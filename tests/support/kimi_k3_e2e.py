@@ -25,8 +25,9 @@ drafting step (:class:`tests.support.dspark_e2e.Capture`: aux hidden states, pos
 counts, anchors, the drafter's own blocks before the oracle replaces them), at each aux tap the stream
 handed over against the prefix and a torch reading of the AttnRes mixture (:class:`AuxStreamWatch`),
 and, at each draft layer's attention, the latents read back from that layer's own pages through its
-own block table: the draft layers form KV-cache groups of their own, apart from the target's MLA
-layers (the hybrid allocator groups by the KDA layer count). It writes ``results.json`` and
+own block table (that of the KV-cache group holding the layer: the draft layers' own groups where
+their spec differs from the target MLA layers' (CPU_MLA's kernel-block stride), groups shared with
+them where it is the same (AMX_MLA), as vLLM groups any equal MLA specs). It writes ``results.json`` and
 ``captures.pt``; ``tests/serving/test_kimi_k3_serving.py`` builds the models, runs this and asserts.
 """
 
@@ -249,6 +250,13 @@ class LatentReadback:
         return self.reads
 
 
+def _spec_kinds(group) -> list[str]:
+    """The KV-cache spec classes of a group's layers (one spec, or a packed group's per-layer ones)."""
+    spec = group.kv_cache_spec
+    specs = spec.kv_cache_specs.values() if hasattr(spec, "kv_cache_specs") else [spec]
+    return sorted({type(s).__name__ for s in specs})
+
+
 def _generate(llm, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None):
     from vllm import SamplingParams
 
@@ -305,6 +313,7 @@ def serve_pattern(target: Path, drafter: Path) -> tuple[dict[str, Any], dict[str
             "nan": watch.close(),
             "aux_stream": stream.close(),
             "groups": [list(g.layer_names) for g in runner.kv_cache_config.kv_cache_groups],
+            "group_specs": [_spec_kinds(g) for g in runner.kv_cache_config.kv_cache_groups],
             "draft_layers": runner.speculator.model.get_draft_kv_cache_layer_names(),
         }
 
