@@ -9,23 +9,35 @@ the rotary embedding and softmax scale, the Markov rollout and its per-row sampl
 (``checkpoint/quant_plan.py``), the config contract (``fields.py``) and the causal block mask. Left out: the seed mixing (``stream_seed``, ``gumbel_noise``: any
 mixing is as right as the committed one, so no test can tell its constants apart).
 
-The test prints the tally and fails when the run kills fewer mutants, or tallies a different number,
-than the README states (its figure comes from this test), or when a quant resolver mutant survives
-without being argued equivalent in ``ARGUED_EQUIVALENT``.
+The gate pays only for what changed (``tests/support/mutation_gate.py``): the functions whose source,
+whose tests' files or whose mutated callees changed since the record committed in
+``tests/data/mutation-record.json`` are mutated again, the rest are read from the record. It fails
+when a mutation the record has killed now survives, when a quant resolver mutant survives without
+being argued equivalent in ``ARGUED_EQUIVALENT``, or when the README's figure is not the record's.
+``make test-mutation RECORD=1`` writes the merged record (and the README's figure);
+``make test-mutation FULL=1`` reruns every function and rewrites both.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
-import subprocess
-import sys
 from collections import Counter
-from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+
+from tests.support.mutation_gate import (
+    RECORD,
+    load_record,
+    mutmut_settings,
+    run_gate,
+    tally,
+    write_record,
+    write_text,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = (
@@ -55,42 +67,98 @@ ARGUED_EQUIVALENT: dict[str, str] = {
 README_FIGURE = re.compile(r"kills \*\*(\d+) of (\d+)\*\* mutants")
 
 
-def mutant_status(mutants: Path) -> dict[str, str]:
-    """``{mutant: mutmut's status}`` for the mutants ``MUTANTS`` selects, from a run's ``mutants/`` directory."""
-    from mutmut.stats import status_by_exit_code
+def readme_figure(killed: int, total: int) -> str:
+    """The README's sentence part that states the mutation check's figure."""
+    return f"kills **{killed} of {total}** mutants"
 
-    status = {}
-    for meta in mutants.rglob("*.meta"):
-        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
-            if any(fnmatch(name, pattern) for pattern in MUTANTS):
-                status[name] = status_by_exit_code[code]
-    return status
+
+def test_readme_figure_is_the_records() -> None:
+    stated = README_FIGURE.search((ROOT / "README.md").read_text())
+    assert stated, "README.md must state the mutation check's figure as 'kills **K of N** mutants'"
+    assert (int(stated[1]), int(stated[2])) == tally(load_record()), (
+        "README's mutation figure differs from tests/data/mutation-record.json: make test-mutation RECORD=1"
+    )
 
 
 @pytest.mark.mutation
 def test_mutation_check(tmp_path: Path) -> None:
-    work = tmp_path / "repo"
-    ignore = shutil.ignore_patterns("__pycache__", "mutants")
-    for name in ("vllm_dspark", "tests"):
-        shutil.copytree(ROOT / name, work / name, ignore=ignore)
-    shutil.copy2(ROOT / "pyproject.toml", work)
-    # mutmut's progress goes to the terminal (make test-mutation runs pytest -s).
-    run = subprocess.run([sys.executable, "-m", "mutmut", "run", *MUTANTS], cwd=work, timeout=3600)
-    assert run.returncode == 0, f"mutmut run exited with {run.returncode}"
-
-    status = mutant_status(work / "mutants")
-    tally = Counter(status.values())
-    killed, total = tally["killed"], len(status)
-    survivors = sorted(name for name, s in status.items() if s != "killed")
-    print(f"\nmutation check: {killed} of {total} mutants killed {dict(tally)}")
+    full = os.environ.get("MUTATION_FULL") == "1"
+    result = run_gate(ROOT, MUTANTS, load_record(), tmp_path / "repo", full=full)
+    statuses = result.statuses()
+    killed, total = tally(result.record)
+    survivors = sorted(name for name, s in statuses.items() if s != "killed")
+    print(
+        f"\nmutation check: {len(result.rerun)} functions mutated again, the rest from the record"
+    )
+    print(f"mutation check: {killed} of {total} mutants killed {dict(Counter(statuses.values()))}")
     print("not killed:\n  " + "\n  ".join(survivors))
-    assert tally["not checked"] == 0, "the run stopped before every mutant was tested"
+    assert "not checked" not in statuses.values(), "the run stopped before every mutant was tested"
+    assert not result.regressions, (
+        f"killed in the record, surviving now (mutmut show NAME in {tmp_path / 'repo'}): "
+        f"{result.regressions}"
+    )
     unargued = [n for n in survivors if n.startswith(QUANT_PLAN) and n not in ARGUED_EQUIVALENT]
     assert not unargued, f"quant_plan mutants neither killed nor argued equivalent: {unargued}"
+    if full or os.environ.get("MUTATION_RECORD") == "1":
+        write_record(result.record)
+        readme = ROOT / "README.md"
+        write_text(readme, README_FIGURE.sub(readme_figure(killed, total), readme.read_text()))
+        print(f"mutation check: wrote {RECORD.relative_to(ROOT)} and the README's figure")
+    elif result.rerun:
+        print(
+            f"mutation check: the record is stale for {result.rerun}: make test-mutation RECORD=1"
+        )
 
-    stated = README_FIGURE.search((ROOT / "README.md").read_text())
-    assert stated, "README.md must state the mutation check's figure as 'kills **K of N** mutants'"
-    assert total == int(stated[2]), f"{total} mutants now, the README states {stated[2]}: update it"
-    assert killed >= int(stated[1]), (
-        f"{killed} of {total} killed, fewer than the README's {stated[1]}"
+
+# A planted regression: the masks module alone, two tests, three gate runs in a copy of the repo.
+PLANTED = ("vllm_dspark.ops.masks.*",)
+PLANTED_TESTS = "tests/tools/test_published_variants.py"
+WEAK_TEST = """def test_block_and_paged_key_masks() -> None:
+    block_key_mask(3, True), paged_key_mask(3, 5, True)  # executes both, asserts nothing: planted
+"""
+
+
+@pytest.mark.mutation
+def test_gate_catches_a_weakened_test_and_skips_unchanged_functions(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    for name in ("vllm_dspark", "tests"):
+        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    settings = mutmut_settings(ROOT)
+    selection = [
+        t for t in settings["pytest_add_cli_args_test_selection"] if t.startswith(PLANTED_TESTS)
+    ]
+    only = 'only_mutate = ["vllm_dspark/ops/masks.py"]'
+    pyproject = re.sub(r"only_mutate = \[.*?\]", only, pyproject)
+    tests = "pytest_add_cli_args_test_selection = " + json.dumps(selection)
+    pyproject = re.sub(
+        r"pytest_add_cli_args_test_selection = \[.*?\n\]", tests, pyproject, flags=re.S
     )
+    (repo / "pyproject.toml").write_text(pyproject)
+
+    first = run_gate(repo, PLANTED, load_record(repo / "none.json"), tmp_path / "w0")
+    functions = ["vllm_dspark.ops.masks.x_block_key_mask", "vllm_dspark.ops.masks.x_paged_key_mask"]
+    assert first.rerun == functions and not first.regressions
+    assert tally(first.record)[0] > 0
+
+    again = run_gate(repo, PLANTED, first.record, tmp_path / "w1")
+    assert again.rerun == [] and again.record == first.record
+
+    masks = repo / "vllm_dspark" / "ops" / "masks.py"
+    masks.write_text(
+        masks.read_text().replace(
+            "    keys = torch.arange", "    # planted\n    keys = torch.arange"
+        )
+    )
+    code_only = run_gate(repo, PLANTED, first.record, tmp_path / "w2")
+    assert code_only.rerun == functions[1:] and not code_only.regressions
+
+    test_file = repo / PLANTED_TESTS
+    text = test_file.read_text()
+    start = text.index("def test_block_and_paged_key_masks")
+    body = text[start : text.index("\n\n\n", start)]
+    test_file.write_text(text.replace(body, WEAK_TEST.rstrip("\n")))
+    weakened = run_gate(repo, PLANTED, first.record, tmp_path / "w3")
+    assert functions[1] in weakened.rerun
+    regressed = {name.split(" ")[0].rpartition("__mutmut_")[0] for name in weakened.regressions}
+    assert functions[1] in regressed, weakened.regressions
