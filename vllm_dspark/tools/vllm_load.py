@@ -23,6 +23,7 @@ from vllm_dspark.checkpoint.layout import TARGET_HEADS
 from vllm_dspark.checkpoint.save import write_target_config
 from vllm_dspark.checkpoint.store import load_config, load_target_heads
 from vllm_dspark.compat import configs_without_an_engine
+from vllm_dspark.cpu_serving.engines import cpu_attention_config
 
 
 def ensure_single_process_runtime() -> None:
@@ -59,8 +60,11 @@ def engine_config(
     """The real ``VllmConfig`` of serving ``target_dir`` with ``draft_dir`` as its dspark drafter;
     ``num_speculative_tokens`` defaults to the drafter's block (``block_size``, else 7)."""
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
 
     speculative.setdefault("num_speculative_tokens", load_config(draft_dir).draft_block_size)
+    # On CPU, float32 needs vLLM's reference MLA path on every host (AMX_MLA loads only bfloat16).
+    attention = cpu_attention_config(dtype) if current_platform.is_cpu() else {}
     args = EngineArgs(
         model=str(target_dir),
         skip_tokenizer_init=True,
@@ -69,6 +73,7 @@ def engine_config(
         enforce_eager=True,
         tensor_parallel_size=tensor_parallel_size,
         speculative_config={"method": "dspark", "model": str(draft_dir), **speculative},
+        attention_config=attention,
     )
     with configs_without_an_engine():
         return args.create_engine_config()
