@@ -28,7 +28,7 @@ from tests.support.vllm_drafter import (
 PRESET = "prod-geometry-small"
 BUILDS = ("bf16", "fp8")
 FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
-# Sharded float32 GEMMs against the unsharded reference, relative L2 over the logits: ~1e-6 measured
+# Sharded float32 GEMMs against the unsharded reference, relative L2 over the logits: 3e-6 measured
 # (a 1e-4 element-wise bound failed on 1 of 57344 logits, 1.04e-4 at 0.018, on one host); a wrong
 # shard or a missing all-gather gives ~1.
 LOGITS_RTOL = 1e-4
@@ -119,9 +119,6 @@ def test_sharded_context_proj_drafts_the_reference_block(
         assert torch.equal(first["tokens"], first["expected_tokens"]), build
         error = float((first["logits"] - first["expected_logits"]).norm())
         assert error < LOGITS_RTOL * float(first["expected_logits"].norm()), (build, error)
-        print(
-            f"{build}: logits' relative L2 error {error / float(first['expected_logits'].norm()):.1e}"
-        )
         # The all-gathered context states are whole on every rank: bit-identical drafts.
         for other in ranks[1:]:
             assert torch.equal(other[build]["tokens"], first["tokens"]), build
