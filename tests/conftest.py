@@ -40,16 +40,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # The slowest modules, slowest first (measured with --durations): queued first, so the other worker
 # takes the many short modules meanwhile and neither is left with a long tail.
 SLOW_FIRST = (
+    "tests/serving/test_kimi_k3_serving.py",
     "tests/tools/test_benchmarks.py",
     "tests/serving/test_dspark_serving.py",
-    "tests/serving/test_kimi_k3_serving.py",
-    "tests/math/test_kda.py",
     "tests/serving/test_acceptance_guard.py",
-    "tests/vllm/test_plugin.py",
-    "tests/project/test_install.py",
     "tests/tools/test_demo.py",
-    "tests/vllm/test_model_w8a8.py",
+    "tests/vllm/test_cpu_rope.py",
+    "tests/project/test_install.py",
     "tests/vllm/test_engine.py",
+    "tests/math/test_kda.py",
+    "tests/vllm/test_plugin.py",
 )
 # Modules that run on one worker, one after the other: they start several vLLM processes each.
 SHARED_GROUPS = {
