@@ -245,19 +245,22 @@ class GateResult:
 
     def statuses(self) -> dict[str, str]:
         """``{mutant: status}`` of every mutant, the rerun ones' fresh."""
-        return {
-            name: m["status"]
-            for entry in self.record["functions"].values()
-            for name, m in entry["mutants"].items()
-        }
+        return statuses(self.record)
+
+
+def statuses(record: dict) -> dict[str, str]:
+    """``{mutant: status}`` of every mutant in ``record``."""
+    return {
+        name: m["status"]
+        for entry in record["functions"].values()
+        for name, m in entry["mutants"].items()
+    }
 
 
 def tally(record: dict) -> tuple[int, int]:
     """(killed, total) over a record's mutants."""
-    statuses = [
-        m["status"] for entry in record["functions"].values() for m in entry["mutants"].values()
-    ]
-    return statuses.count(KILLED), len(statuses)
+    found = list(statuses(record).values())
+    return found.count(KILLED), len(found)
 
 
 def load_record(path: Path = RECORD) -> dict:

